@@ -1,0 +1,136 @@
+"""ray_velo: move large arrays, bytes and tensors between Ray tasks and actors by handle.
+
+A payload is staged once on its node's rendezvous agent and named by a small picklable
+:class:`DataHandle`; a consumer anywhere in the cluster fetches it with a one-sided UCX GET
+where the hardware allows and chunked Ray calls everywhere else. On the producer's own node a
+fetch is a zero-copy view of shared memory.
+
+Importing ``ray_velo`` is cheap: Ray itself is imported on first use of the API.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ray_velo.config import (
+    RdmaConfig,
+    RdmaPoolConfig,
+    RdmaRendezvousConfig,
+    UcxConfig,
+    VeloConfig,
+)
+from ray_velo.errors import (
+    ConfigError,
+    DescriptorError,
+    HandleError,
+    HandleNotFound,
+    HandleReleased,
+    LeaseNotFound,
+    NotInitialized,
+    OwnerDied,
+    PayloadTooLarge,
+    ProtocolError,
+    RegionDeregistered,
+    SharedMemoryTooSmall,
+    TransferError,
+    TransferTimeout,
+    UcxError,
+    UnsupportedPayload,
+    VeloError,
+)
+from ray_velo.protocol.handle import DataHandle, HandleMetadata
+
+if TYPE_CHECKING:
+    from ray_velo.api import (
+        PinnedBuf,
+        PinnedWriter,
+        RegionGuard,
+        alloc_pinned_writer,
+        alloc_region,
+        detach,
+        fetch,
+        get,
+        get_into,
+        get_pinned,
+        init,
+        is_initialized,
+        metadata,
+        put,
+        ref_handle,
+        register_data,
+        register_data_in_region,
+        register_data_pinned,
+        release,
+        shutdown,
+    )
+
+__version__ = "0.1.0"
+
+_LAZY_API = {
+    "PinnedBuf",
+    "PinnedWriter",
+    "RegionGuard",
+    "alloc_pinned_writer",
+    "alloc_region",
+    "detach",
+    "fetch",
+    "get",
+    "get_into",
+    "get_pinned",
+    "init",
+    "is_initialized",
+    "metadata",
+    "put",
+    "ref_handle",
+    "register_data",
+    "register_data_in_region",
+    "register_data_pinned",
+    "release",
+    "shutdown",
+}
+
+__all__ = sorted(
+    _LAZY_API
+    | {
+        "ConfigError",
+        "DataHandle",
+        "DescriptorError",
+        "HandleError",
+        "HandleMetadata",
+        "HandleNotFound",
+        "HandleReleased",
+        "LeaseNotFound",
+        "NotInitialized",
+        "OwnerDied",
+        "PayloadTooLarge",
+        "ProtocolError",
+        "RdmaConfig",
+        "RdmaPoolConfig",
+        "RdmaRendezvousConfig",
+        "RegionDeregistered",
+        "SharedMemoryTooSmall",
+        "TransferError",
+        "TransferTimeout",
+        "UcxConfig",
+        "UcxError",
+        "UnsupportedPayload",
+        "VeloConfig",
+        "VeloError",
+        "__version__",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    # The Ray-facing API loads on first use, so `import ray_velo` (and the pure protocol
+    # core under it) never imports Ray.
+    if name in _LAZY_API:
+        value = getattr(importlib.import_module("ray_velo.api"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ray_velo' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,222 @@
+"""Configuration: every knob of the spec's configuration table, with its default and rules.
+
+Durations are float seconds (``lease_timeout=30.0``), sizes are bytes. Each class is a frozen
+dataclass validated at construction; a bad value raises :class:`ConfigError` naming the
+field, the value and the rule. Values the spec clamps (``lease_timeout`` to >= 1 ms,
+``ep_idle_timeout`` to >= 500 ms) are clamped, not refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_velo.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_THRESHOLD",
+    "SPEC_CHUNK_SIZE",
+    "RdmaConfig",
+    "RdmaPoolConfig",
+    "RdmaRendezvousConfig",
+    "UcxConfig",
+    "VeloConfig",
+]
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+#: Payloads above this go through rendezvous when staged transparently (spec: 256 KiB).
+DEFAULT_THRESHOLD = 256 * KiB
+#: The spec's chunk size. Far too small for Ray calls (~1 ms each); see DEFAULT_CHUNK_SIZE.
+SPEC_CHUNK_SIZE = 512 * KiB
+#: Chunk size of the chunked path over Ray calls. Measured on Ray: 512 KiB chunks move at
+#: ~0.1 GB/s, 16 MiB chunks at ~0.7-0.9 GB/s cross-node (docs/tuning.md has the table).
+DEFAULT_CHUNK_SIZE = 16 * MiB
+#: Pulls kept in flight per chunked transfer (docs/tuning.md).
+DEFAULT_PULLS_IN_FLIGHT = 4
+
+LEASE_TIMEOUT_FLOOR_S = 0.001
+EP_IDLE_TIMEOUT_FLOOR_S = 0.5
+
+
+def _positive(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(field=name, value=value, rule="must be a positive integer (bytes)")
+
+
+def _positive_seconds_or_none(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(field=name, value=value, rule="must be None or a positive number of seconds")
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaRendezvousConfig:
+    """The RDMA path's rules on the owner (spec: RdmaRendezvousConfig).
+
+    Attributes:
+        rdma_min_bytes: pinned slots below this answer chunked (bytes).
+        enabled: the kill switch; ``VELO_RDMA_RENDEZVOUS_DISABLE`` forces it off.
+        lease_timeout: RDMA lease deadline in seconds; clamped to at least 1 ms.
+    """
+
+    rdma_min_bytes: int = 64 * KiB
+    enabled: bool = True
+    lease_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rdma_min_bytes, int) or self.rdma_min_bytes < 0:
+            raise ConfigError(
+                field="rdma_min_bytes", value=self.rdma_min_bytes, rule="must be an integer >= 0"
+            )
+        if not isinstance(self.lease_timeout, (int, float)) or self.lease_timeout <= 0:
+            raise ConfigError(
+                field="lease_timeout", value=self.lease_timeout, rule="must be > 0 seconds"
+            )
+        if self.lease_timeout < LEASE_TIMEOUT_FLOOR_S:
+            # On the wire 0 means "no deadline": a sub-millisecond value would round to it.
+            _set(self, "lease_timeout", LEASE_TIMEOUT_FLOOR_S)
+        if self.rdma_min_bytes > DEFAULT_THRESHOLD:
+            warnings.warn(
+                f"rdma_min_bytes={self.rdma_min_bytes} is above the transparent staging threshold "
+                f"({DEFAULT_THRESHOLD}): payloads in between sit in pinned memory and never use "
+                "the RDMA path",
+                stacklevel=3,
+            )
+
+    @property
+    def lease_timeout_ms(self) -> int:
+        """The lease timeout as sent on the wire (whole ms, never 0)."""
+        return max(1, round(self.lease_timeout * 1000))
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaPoolConfig:
+    """The registered arena pool (spec: RdmaPoolConfig). Sizes in bytes, durations in s."""
+
+    initial_arena_bytes: int = 64 * MiB
+    max_arena_bytes: int = 1 * GiB
+    dedicated_arena_min: int = 64 * MiB
+    registered_bytes_budget: int = 1 * GiB
+    arena_reclaim_after: float | None = None
+    retain_arena_bytes: int = 64 * MiB
+
+    def __post_init__(self) -> None:
+        for name in (
+            "initial_arena_bytes",
+            "max_arena_bytes",
+            "dedicated_arena_min",
+            "registered_bytes_budget",
+        ):
+            _positive(self, name)
+        if not isinstance(self.retain_arena_bytes, int) or self.retain_arena_bytes < 0:
+            raise ConfigError(
+                field="retain_arena_bytes", value=self.retain_arena_bytes, rule="must be >= 0"
+            )
+        _positive_seconds_or_none(self, "arena_reclaim_after")
+        if self.max_arena_bytes < self.initial_arena_bytes:
+            raise ConfigError(
+                field="max_arena_bytes",
+                value=self.max_arena_bytes,
+                rule=f"must be >= initial_arena_bytes ({self.initial_arena_bytes})",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class UcxConfig:
+    """The UCX transport beside Ray's control plane (spec: UcxTransportBuilder).
+
+    Attributes:
+        enabled: False simulates a node without UCX (the path metric says not_configured).
+        eager_max: largest UCX active message (bytes); kept for parity, unused by the GET path.
+        ep_idle_timeout: experimental endpoint idle reaper (s); floor 500 ms; None = off.
+        eager_endpoints: wire up the endpoint when a peer is registered, not at first use.
+        options: extra UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "cma,tcp"}``.
+            Applied to our UCX context only; the process environment is never mutated.
+    """
+
+    enabled: bool = True
+    eager_max: int = 1 * MiB
+    ep_idle_timeout: float | None = None
+    eager_endpoints: bool = False
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive(self, "eager_max")
+        _positive_seconds_or_none(self, "ep_idle_timeout")
+        if self.ep_idle_timeout is not None and self.ep_idle_timeout < EP_IDLE_TIMEOUT_FLOOR_S:
+            _set(self, "ep_idle_timeout", EP_IDLE_TIMEOUT_FLOOR_S)
+        if isinstance(self.options, dict):
+            _set(self, "options", tuple(sorted((str(k), str(v)) for k, v in self.options.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaConfig:
+    """Everything about the RDMA path (spec: RdmaConfig)."""
+
+    rendezvous: RdmaRendezvousConfig = field(default_factory=RdmaRendezvousConfig)
+    pool: RdmaPoolConfig = field(default_factory=RdmaPoolConfig)
+    ucx: UcxConfig = field(default_factory=UcxConfig)
+    shutdown_timeout: float = 30.0
+    drop_dereg_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        _positive_seconds_or_none(self, "shutdown_timeout")
+        _positive_seconds_or_none(self, "drop_dereg_timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class VeloConfig:
+    """Agent-wide configuration (spec: VeloBuilder).
+
+    Attributes:
+        threshold_bytes: transparent staging threshold; payloads above it are staged.
+        chunk_size: chunk size of the chunked path (bytes).
+        pulls_in_flight: chunk pulls kept in flight per transfer.
+        staged_fetch_timeout: the longest a fetch may take (s); None = unbounded.
+        staged_payload_max: the largest payload this node takes by rendezvous (bytes).
+        shm_dir: where arena segments live (a tmpfs; default /dev/shm).
+        rdma: the RDMA path's configuration.
+        plain_arena_bytes: size of each unregistered ("plain memory") arena.
+        sweep_interval: period of the TTL / chunked-lease sweep while deadlines exist (s).
+    """
+
+    threshold_bytes: int = DEFAULT_THRESHOLD
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    pulls_in_flight: int = DEFAULT_PULLS_IN_FLIGHT
+    staged_fetch_timeout: float | None = None
+    staged_payload_max: int | None = None
+    shm_dir: str = "/dev/shm"
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    plain_arena_bytes: int = 64 * MiB
+    sweep_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("threshold_bytes", "chunk_size", "pulls_in_flight", "plain_arena_bytes"):
+            _positive(self, name)
+        if self.chunk_size % 4096:
+            raise ConfigError(
+                field="chunk_size", value=self.chunk_size, rule="must be a multiple of 4096 bytes"
+            )
+        _positive_seconds_or_none(self, "staged_fetch_timeout")
+        _positive_seconds_or_none(self, "sweep_interval")
+        if self.staged_payload_max is not None:
+            _positive(self, "staged_payload_max")
+        if not self.shm_dir:
+            raise ConfigError(field="shm_dir", value=self.shm_dir, rule="must name a directory")
+
+    def replace(self, **changes: Any) -> VeloConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,283 @@
+"""The one exception tree of ray_velo.
+
+Every error a user can see derives from :class:`VeloError`. Each carries structured fields
+(handle, sizes, node, the limit hit) and builds its message from them, so a log line says
+what went wrong and what to do. Every class pickles: Ray moves exceptions between processes.
+Foreign errors (Ray's, UCX statuses, ``OSError``) are mapped to these at the boundary that
+meets them, with ``raise ... from exc``.
+
+Taxonomy (after trio): errors the caller caused (bad config, bad handle, oversize payload),
+errors the world caused (an owner died, a GET failed, a timeout), and protocol errors a peer
+caused (a descriptor that does not decode, an owner that answers RDMA to no offer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BudgetExceeded",
+    "ConfigError",
+    "DescriptorError",
+    "HandleError",
+    "HandleNotFound",
+    "HandleReleased",
+    "LeaseNotFound",
+    "MemoryError_",
+    "NotInitialized",
+    "OwnerDied",
+    "PayloadTooLarge",
+    "PoolExhausted",
+    "ProtocolError",
+    "RegionDeregistered",
+    "RegionError",
+    "SharedMemoryTooSmall",
+    "StagingError",
+    "TransferError",
+    "TransferTimeout",
+    "UcxError",
+    "UnsupportedPayload",
+    "VeloError",
+]
+
+
+def _rebuild(cls: type[VeloError], message: str | None, fields: dict[str, Any]) -> VeloError:
+    return cls(message, **fields)
+
+
+class VeloError(Exception):
+    """Root of every ray_velo error.
+
+    Subclasses declare their structured fields as keyword arguments and override
+    :meth:`_describe` to build the message from them. An explicit ``message`` wins.
+    """
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        self.fields = fields
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.message = message if message is not None else self._describe()
+        super().__init__(self.message)
+
+    def _describe(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.fields.items()) or type(self).__name__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        explicit = self.message if self.message != self._describe() else None
+        return (_rebuild, (type(self), explicit, self.fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- caused by the caller -------------------------------------------------------------
+
+
+class ConfigError(VeloError, ValueError):
+    """A configuration value breaks a rule. Fields: ``field``, ``value``, ``rule``."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        return f"invalid config {f.get('field')}={f.get('value')!r}: {f.get('rule')}"
+
+
+class UnsupportedPayload(VeloError, TypeError):
+    """``put`` got an object it cannot stage. Fields: ``type_name``."""
+
+    def _describe(self) -> str:
+        return (
+            f"cannot stage a {self.fields.get('type_name')}: pass a numpy array, a bytes-like "
+            "object (bytes, bytearray, memoryview) or a CPU torch tensor"
+        )
+
+
+class NotInitialized(VeloError, RuntimeError):
+    """The library was used before ``ray_velo.init()`` or after ``shutdown()``."""
+
+    def _describe(self) -> str:
+        return "ray_velo is not initialized: call ray_velo.init() first"
+
+
+# --- handles and leases -----------------------------------------------------------------
+
+
+class HandleError(VeloError):
+    """Something is wrong with a handle."""
+
+
+class HandleNotFound(HandleError, KeyError):
+    """The owner has no slot for this handle (never existed, released, or expired).
+
+    Fields: ``handle``, ``node`` (the owner's node, when known), ``reason`` (why it is
+    gone, when the owner remembers).
+    """
+
+    def _describe(self) -> str:
+        node = self.fields.get("node")
+        where = f" on owner node {node}" if node else ""
+        reason = self.fields.get("reason")
+        why = (
+            f": {reason}"
+            if reason
+            else ": it was released, its TTL expired, or its owner restarted"
+        )
+        return f"handle {self.fields.get('handle')} not found{where}{why}; stage the data again"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class HandleReleased(HandleError):
+    """A single-use (or N-use) handle was resolved more times than allowed.
+
+    Fields: ``handle``, ``allowed``, ``option`` (what to change).
+    """
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"handle {f.get('handle')} was already resolved {f.get('allowed')} time(s); "
+            f"set {f.get('option', 'consumers=N')} to allow more consumers"
+        )
+
+
+class LeaseNotFound(HandleError, KeyError):
+    """A lease id is unknown to the owner (already released, reaped, or never granted).
+
+    Fields: ``handle``, ``lease_id``.
+    """
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"lease {f.get('lease_id')} on handle {f.get('handle')} is not held: it was released, "
+            "or reaped after its deadline passed without renewal"
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# --- memory -----------------------------------------------------------------------------
+
+
+class MemoryError_(VeloError):  # noqa: N801 - trailing underscore: do not shadow the builtin
+    """Staging memory could not be provided."""
+
+
+class SharedMemoryTooSmall(MemoryError_, OSError):
+    """The shared-memory directory cannot hold a new arena.
+
+    Fields: ``directory``, ``free_bytes``, ``requested_bytes``.
+    """
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"shared-memory directory {f.get('directory')} has {f.get('free_bytes')} bytes free, "
+            f"{f.get('requested_bytes')} requested: enlarge it (e.g. docker --shm-size) or set "
+            "VeloConfig(shm_dir=...) to a larger tmpfs"
+        )
+
+
+class BudgetExceeded(MemoryError_):
+    """Registering would exceed ``registered_bytes_budget``.
+
+    Fields: ``requested_bytes``, ``registered_bytes``, ``budget_bytes``.
+    """
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"registering {f.get('requested_bytes')} bytes would exceed registered_bytes_budget "
+            f"({f.get('registered_bytes')} of {f.get('budget_bytes')} bytes already registered)"
+        )
+
+
+class PoolExhausted(MemoryError_):
+    """The arena pool cannot allocate. Fields: ``requested_bytes``, ``reason``."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        return f"arena pool cannot allocate {f.get('requested_bytes')} bytes: {f.get('reason')}"
+
+
+class RegionError(VeloError):
+    """A caller-owned registered region cannot be used."""
+
+
+class RegionDeregistered(RegionError):
+    """The region is deregistering or deregistered. Fields: ``region``."""
+
+    def _describe(self) -> str:
+        return f"region {self.fields.get('region')} is deregistered; register the memory again"
+
+
+class StagingError(VeloError):
+    """Staging a payload failed (not a memory shortage). Fields vary."""
+
+
+# --- caused by the world or the peer ---------------------------------------------------
+
+
+class ProtocolError(VeloError):
+    """A peer broke the protocol (e.g. answered RDMA to an acquire that made no offer)."""
+
+
+class DescriptorError(ProtocolError, ValueError):
+    """An RDMA descriptor or packed key does not decode byte for byte. Fields: ``reason``."""
+
+    def _describe(self) -> str:
+        return f"RDMA descriptor refused: {self.fields.get('reason')}"
+
+
+class TransferError(VeloError):
+    """A transfer failed."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A fetch did not finish within its bound.
+
+    Fields: ``handle``, ``timeout_s`` (the bound), ``bound`` (which one: caller or receiver).
+    """
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"fetch of handle {f.get('handle')} did not finish within {f.get('timeout_s')} s "
+            f"({f.get('bound', 'fetch timeout')}); raise the timeout or check the owner node"
+        )
+
+
+class OwnerDied(TransferError):
+    """The owner agent (or its node) is gone. Fields: ``handle``, ``node``."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"owner of handle {f.get('handle')} on node {f.get('node')} died or left the "
+            "cluster; its staged data is lost, stage it again"
+        )
+
+
+class PayloadTooLarge(TransferError):
+    """A staged payload is larger than this node takes (``staged_payload_max``).
+
+    Fields: ``handle``, ``size_bytes``, ``limit_bytes``.
+    """
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"payload of handle {f.get('handle')} is {f.get('size_bytes')} bytes, over this "
+            f"node's staged_payload_max of {f.get('limit_bytes')} bytes; the staged copy was "
+            "released. Raise VeloConfig.staged_payload_max or send less"
+        )
+
+
+class UcxError(TransferError):
+    """A UCX call failed. Fields: ``operation``, ``status`` (ucs_status_t), ``status_text``."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        return f"UCX {f.get('operation')} failed: {f.get('status_text')} (status {f.get('status')})"

@@ -1,0 +1,72 @@
+"""The pure protocol core: handles, control messages and their codec, the RDMA descriptor,
+the owner's path decision and the consumer's offer rule.
+
+Nothing in this package performs I/O, reads the clock, or imports Ray or UCX (a test proves
+it): time and facts are arguments, decisions are return values.
+"""
+
+from ray_velo.protocol.descriptor import (
+    BACKEND_UCX,
+    DESCRIPTOR_HEADER_BYTES,
+    DESCRIPTOR_VERSION,
+    MAX_DESCRIPTOR_RKEY_BYTES,
+    RdmaDescriptor,
+)
+from ray_velo.protocol.handle import DataHandle, HandleMetadata
+from ray_velo.protocol.killswitch import KILL_SWITCH_ENV, kill_switch_engaged
+from ray_velo.protocol.messages import (
+    AcquireRequest,
+    DetachRequest,
+    LeaseRenewRequest,
+    MetadataRequest,
+    MetadataResponse,
+    PullRequest,
+    Rdma,
+    RdmaOffer,
+    Ready,
+    RefRequest,
+    ReleaseRequest,
+    TypeHeader,
+    decode,
+    decode_acquire_response,
+    encode,
+)
+from ray_velo.protocol.path import (
+    ConsumerOffer,
+    OwnerFacts,
+    PathDecision,
+    build_offer,
+    decide_path,
+)
+
+__all__ = [
+    "BACKEND_UCX",
+    "DESCRIPTOR_HEADER_BYTES",
+    "DESCRIPTOR_VERSION",
+    "KILL_SWITCH_ENV",
+    "MAX_DESCRIPTOR_RKEY_BYTES",
+    "AcquireRequest",
+    "ConsumerOffer",
+    "DataHandle",
+    "DetachRequest",
+    "HandleMetadata",
+    "LeaseRenewRequest",
+    "MetadataRequest",
+    "MetadataResponse",
+    "OwnerFacts",
+    "PathDecision",
+    "PullRequest",
+    "Rdma",
+    "RdmaDescriptor",
+    "RdmaOffer",
+    "Ready",
+    "RefRequest",
+    "ReleaseRequest",
+    "TypeHeader",
+    "build_offer",
+    "decide_path",
+    "decode",
+    "decode_acquire_response",
+    "encode",
+    "kill_switch_engaged",
+]

@@ -1,0 +1,69 @@
+"""DataHandle: the compact name of a staged payload.
+
+A handle is a u128: the owner agent's 64-bit worker id in the upper half and a slot id in the
+lower half. MessagePack has no clean u128, so the wire form is ``{"hi": ..., "lo": ...}``.
+A restarted agent draws a new random worker id, so it never answers for a dead one's handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ray_velo.errors import ProtocolError
+
+__all__ = ["U64_MAX", "DataHandle", "HandleMetadata"]
+
+U64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class DataHandle:
+    """Names one staged payload: ``(worker_id << 64) | slot_id``.
+
+    Hashable, picklable, and cheap to pass as a Ray task argument.
+    """
+
+    worker_id: int
+    slot_id: int
+
+    def __post_init__(self) -> None:
+        for name in ("worker_id", "slot_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= U64_MAX:
+                raise ProtocolError(f"DataHandle.{name} must be a u64, got {value!r}")
+
+    @property
+    def value(self) -> int:
+        """The handle as one u128 integer."""
+        return (self.worker_id << 64) | self.slot_id
+
+    @classmethod
+    def from_int(cls, value: int) -> DataHandle:
+        if not 0 <= value < (1 << 128):
+            raise ProtocolError(f"a DataHandle is a u128, got {value!r}")
+        return cls(value >> 64, value & U64_MAX)
+
+    def to_wire(self) -> dict[str, int]:
+        return {"hi": self.worker_id, "lo": self.slot_id}
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> DataHandle:
+        if not isinstance(wire, dict) or "hi" not in wire or "lo" not in wire:
+            raise ProtocolError(f"a DataHandle on the wire is {{hi, lo}}, got {wire!r}")
+        return cls(wire["hi"], wire["lo"])
+
+    def __str__(self) -> str:
+        return f"{self.worker_id:016x}:{self.slot_id:x}"
+
+    def __repr__(self) -> str:
+        return f"DataHandle({self})"
+
+
+@dataclass(frozen=True, slots=True)
+class HandleMetadata:
+    """What ``metadata(handle)`` answers: size in bytes, live references, pinned or not."""
+
+    size: int
+    refcount: int
+    pinned: bool

@@ -1,0 +1,130 @@
+"""Which path a transfer takes: the owner's eight checks and the consumer's offer.
+
+The owner answers RDMA only if every check passes, in the spec's order; the first refusal
+names the reason label recorded in ``velo_rendezvous_rdma_path_total{path="chunked"}``:
+
+====  ===============================================================  ===============
+ #    check                                                            refusal label
+====  ===============================================================  ===============
+ 1    the consumer sent an RDMA offer                                  no_offer
+ 2    this owner has an RDMA registry (UCX is up)                      not_configured
+ 3    the RDMA path is enabled here (kill switch off)                  kill_switch
+ 4    the slot is staged in registered memory                          not_pinned
+ 5    the payload is at least rdma_min_bytes                           below_min
+ 6    the offer names the backend this owner serves ("ucx")            no_offer
+ 7    the owner is not draining                                        draining
+ 8    the staging still exists and the descriptor encodes              not_pinned
+====  ===============================================================  ===============
+
+Check 8 builds the descriptor, so it is a callable the owner passes in; everything else is
+a plain fact. The consumer's offer comes from three local facts and asks the owner nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from ray_velo.errors import DescriptorError
+from ray_velo.protocol.messages import RdmaOffer
+
+__all__ = [
+    "CONSUMER_FAILURE_REASONS",
+    "OWNER_REFUSAL_REASONS",
+    "STAGING_FALLBACK_REASONS",
+    "ConsumerOffer",
+    "OwnerFacts",
+    "PathDecision",
+    "build_offer",
+    "decide_path",
+]
+
+Path = Literal["rdma", "chunked"]
+
+OWNER_REFUSAL_REASONS = (
+    "no_offer",
+    "not_configured",
+    "kill_switch",
+    "not_pinned",
+    "below_min",
+    "draining",
+)
+#: Reasons the consumer records after an RDMA answer it could not use.
+CONSUMER_FAILURE_REASONS = ("decode_error", "pool_exhausted", "get_failed")
+#: Reasons the owner records when register_data_pinned falls back to plain memory.
+STAGING_FALLBACK_REASONS = ("kill_switch", "budget", "pool_exhausted")
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerFacts:
+    """What the owner knows when an acquire arrives."""
+
+    offer: RdmaOffer | None
+    has_registry: bool
+    rdma_enabled: bool
+    slot_pinned: bool
+    total_len: int
+    rdma_min_bytes: int
+    draining: bool
+    backend: str = "ucx"
+
+
+@dataclass(frozen=True, slots=True)
+class PathDecision:
+    """The path, the reason label, and the descriptor bytes when the path is RDMA."""
+
+    path: Path
+    reason: str
+    descriptor: bytes = b""
+
+
+def decide_path(facts: OwnerFacts, build_descriptor: Callable[[], bytes | None]) -> PathDecision:
+    """Run the eight checks in order. ``build_descriptor`` runs only if checks 1-7 pass;
+    it returns the encoded descriptor, or None when the staging is gone (check 8)."""
+    if facts.offer is None:
+        return PathDecision("chunked", "no_offer")
+    if not facts.has_registry:
+        return PathDecision("chunked", "not_configured")
+    if not facts.rdma_enabled:
+        return PathDecision("chunked", "kill_switch")
+    if not facts.slot_pinned:
+        return PathDecision("chunked", "not_pinned")
+    if facts.total_len < facts.rdma_min_bytes:
+        return PathDecision("chunked", "below_min")
+    if facts.backend not in facts.offer.backends:
+        return PathDecision("chunked", "no_offer")
+    if facts.draining:
+        return PathDecision("chunked", "draining")
+    try:
+        descriptor = build_descriptor()
+    except DescriptorError:
+        descriptor = None
+    if not descriptor:
+        return PathDecision("chunked", "not_pinned")
+    return PathDecision("rdma", "ok", descriptor)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerOffer:
+    """The consumer's offer (None: no offer) and, without one, the reason it records."""
+
+    offer: RdmaOffer | None
+    reason: str | None
+
+
+def build_offer(
+    has_registry: bool, rdma_enabled: bool, peer_registered: bool, backend: str = "ucx"
+) -> ConsumerOffer:
+    """The consumer's offer from its three local facts.
+
+    A peer not registered yet (cold start) gets no offer: the first transfer from an unknown
+    owner pulls chunks, later ones take the RDMA path.
+    """
+    if not has_registry:
+        return ConsumerOffer(None, "not_configured")
+    if not rdma_enabled:
+        return ConsumerOffer(None, "kill_switch")
+    if not peer_registered:
+        return ConsumerOffer(None, "no_offer")
+    return ConsumerOffer(RdmaOffer(backends=(backend,)), None)
