@@ -85,6 +85,7 @@ class FreedSlot:
 
     slot_id: int
     kind: SlotKind
+    pinned: bool
     total_len: int
     location: Any
     why: str
@@ -320,7 +321,7 @@ class SlotStore:
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
         self.counters.slots_freed += 1
-        return FreedSlot(slot.slot_id, slot.kind, slot.total_len, slot.location, why)
+        return FreedSlot(slot.slot_id, slot.kind, slot.pinned, slot.total_len, slot.location, why)
 
     # --- deadlines -------------------------------------------------------------------
 

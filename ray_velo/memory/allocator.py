@@ -141,12 +141,12 @@ class OffsetAllocator:
         "_node_capacity",
         "_offsets",
         "_serial",
+        "_size",
         "_sizes",
         "_spare",
         "_token_shift",
         "_tokens",
         "_top_mask",
-        "_size",
     )
 
     def __init__(self, size_granules: int, max_allocs: int | None = None) -> None:

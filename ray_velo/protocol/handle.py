@@ -7,7 +7,7 @@ A restarted agent draws a new random worker id, so it never answers for a dead o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray_velo.errors import ProtocolError
@@ -26,6 +26,9 @@ class DataHandle:
 
     worker_id: int
     slot_id: int
+    #: The owner agent's Ray node id, a routing hint carried by pickled handles. Not part of
+    #: the u128 identity and not on the wire; a handle without it is routed by worker id.
+    owner_node: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("worker_id", "slot_id"):

@@ -1,0 +1,716 @@
+"""The rendezvous agent: one per Ray node, owner of everything staged there.
+
+As **owner** it holds the slot store and the arena pools of its node and answers the seven
+``_rv_*`` handlers. As **consumer** it fetches, for the processes of its node, payloads owned
+by other nodes' agents: it acquires, pulls chunks with several calls in flight (or GETs,
+on the RDMA path) into a local slot, and hands the local processes a lease on that slot,
+which they read in place. Local processes stage by reserving a granule range, writing into
+the shared segment themselves and committing.
+
+The class is plain Python; :mod:`ray_velo.actors` wraps it with ``ray.remote`` as a threaded
+actor, so a long pull never blocks an acquire. All state changes happen under one lock; the
+copies (chunk reads, chunk writes) run outside it, guarded by per-slot read counts so memory
+is never returned to the pool while a copy is still reading it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ray_velo import metrics
+from ray_velo.config import RdmaPoolConfig, VeloConfig
+from ray_velo.errors import (
+    HandleNotFound,
+    OwnerDied,
+    PayloadTooLarge,
+    ProtocolError,
+    StagingError,
+    VeloError,
+)
+from ray_velo.memory.arena import remove_stale_segments
+from ray_velo.memory.pool import ArenaPool, Fallback, NoopRegistrar, Placement, RegistrationBudget
+from ray_velo.protocol import (
+    AcquireRequest,
+    DataHandle,
+    DetachRequest,
+    LeaseRenewRequest,
+    MetadataRequest,
+    MetadataResponse,
+    OwnerFacts,
+    PullRequest,
+    Ready,
+    RefRequest,
+    ReleaseRequest,
+    TypeHeader,
+    build_offer,
+    decide_path,
+    decode,
+    decode_acquire_response,
+    encode,
+    kill_switch_engaged,
+)
+from ray_velo.store import FreedSlot, Slot, SlotKind, SlotStore
+from ray_velo.actors.ticker import Ticker
+from ray_velo.transfer import Deadline, call_owner, pull_chunks
+
+__all__ = ["LocalLease", "RendezvousAgent", "Reservation"]
+
+_log = logging.getLogger(__name__)
+
+#: How often the agent checks that local readers are still alive, while any exist (s).
+LIVENESS_INTERVAL_S = 1.0
+#: Upper bound on one ``plain`` arena of the unregistered pool (bytes).
+_PLAIN_MAX_ARENA = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where a local producer writes a payload before committing it."""
+
+    reservation_id: int
+    path: str
+    offset: int
+    nbytes: int
+    dedicated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LocalLease:
+    """A lease a local process holds on a slot of its own node's agent, read in place.
+
+    ``handle`` is the slot the lease is on (a local copy for a cross-node fetch);
+    ``remote_lease_id`` is the owner's lease still held for ``get``-style reads (0: none).
+    """
+
+    handle: DataHandle
+    lease_id: int
+    path: str
+    offset: int
+    total_len: int
+    type_header: TypeHeader
+    dedicated: bool
+    remote_lease_id: int = 0
+
+
+_HANDLERS = frozenset(
+    {"_rv_metadata", "_rv_acquire", "_rv_pull", "_rv_ref", "_rv_detach", "_rv_release", "_rv_lease_renew"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A reservation between ``stage_reserve`` and ``stage_commit``."""
+
+    placement: Placement | None
+    kind: SlotKind
+    pinned: bool
+    pid: int
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RendezvousAgent:
+    """Owner and node-local consumer of staged payloads (see the module docstring)."""
+
+    def __init__(self, config: VeloConfig, node_id: str, *, worker_id: int | None = None) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
+        self.rdma_enabled = config.rdma.rendezvous.enabled and not kill_switch_engaged(os.environ)
+        self._lock = threading.RLock()
+        self.store = SlotStore(self.worker_id, node=node_id)
+        os.makedirs(config.shm_dir, exist_ok=True)
+        for path in remove_stale_segments(config.shm_dir):
+            _log.warning("removed shared-memory segment %s of a crashed ray_velo agent", path)
+        self.budget = RegistrationBudget(config.rdma.pool.registered_bytes_budget)
+        self.rdma: Any = None  # the RDMA backend, when UCX is up (see ray_velo.ucx)
+        self.pinned_pool = ArenaPool(
+            config.rdma.pool,
+            config.shm_dir,
+            self.worker_id,
+            registrar=NoopRegistrar(),
+            budget=self.budget,
+            prefault=False,
+        )
+        self.plain_pool = ArenaPool(
+            RdmaPoolConfig(
+                initial_arena_bytes=config.plain_arena_bytes,
+                max_arena_bytes=max(config.plain_arena_bytes, _PLAIN_MAX_ARENA),
+                dedicated_arena_min=config.rdma.pool.dedicated_arena_min,
+                registered_bytes_budget=1 << 62,
+                arena_reclaim_after=config.rdma.pool.arena_reclaim_after,
+                retain_arena_bytes=config.rdma.pool.retain_arena_bytes,
+            ),
+            config.shm_dir,
+            self.worker_id,
+            registrar=None,
+            budget=None,
+            prefault=False,
+        )
+        self._reservations: dict[int, _Pending] = {}
+        self._reservation_seq = 0
+        self._reading: Counter[int] = Counter()  # slot id -> copies in progress
+        self._deferred: dict[int, list[FreedSlot]] = {}
+        self._copies: dict[DataHandle, DataHandle] = {}  # remote handle -> local copy
+        self._copy_of: dict[int, DataHandle] = {}  # local slot id -> remote handle
+        self._peers: dict[str, Any] = {}
+        self._closed = False
+        self.metrics = metrics.AgentMetrics(node_id)
+        self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{self.worker_id:016x}")
+
+    # --- introspection ---------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """Identity and counters (for the API's routing and for ``ray-velo status``)."""
+        with self._lock:
+            return {
+                "worker_id": self.worker_id,
+                "node_id": self.node_id,
+                "pid": os.getpid(),
+                "shm_dir": self.config.shm_dir,
+                "rdma": self.rdma is not None,
+                "rdma_enabled": self.rdma_enabled,
+                "live_slots": self.store.live_slots,
+                "live_leases": self.store.live_leases,
+                "staged_bytes": self.store.staged_bytes,
+                "pinned_used_bytes": self.pinned_pool.used_bytes,
+                "plain_used_bytes": self.plain_pool.used_bytes,
+                "registered_bytes": self.budget.registered_bytes,
+                "reservations": len(self._reservations),
+                "counters": _counters(self.store),
+                "metrics": self.metrics.snapshot(),
+            }
+
+    def ping(self) -> int:
+        return self.worker_id
+
+    # --- memory ----------------------------------------------------------------------
+
+    def _allocate(self, nbytes: int, pinned: bool, now: float) -> tuple[Placement, SlotKind, bool]:
+        """A placement for ``nbytes``: pinned pool when asked and possible, else plain.
+
+        Never fails for lack of registered memory (spec: register_data_pinned never fails);
+        a plain-memory failure (the shm directory is full) raises SharedMemoryTooSmall.
+        """
+        if pinned:
+            if not self.rdma_enabled:
+                self.metrics.path("chunked", "kill_switch")
+            elif self.rdma is not None:
+                got = self.pinned_pool.allocate(nbytes, now)
+                if isinstance(got, Placement):
+                    return got, "dedicated" if got.dedicated else "pooled", True
+                assert isinstance(got, Fallback)
+                self.metrics.path("chunked", got.reason)
+            # No UCX transport: the data goes to plain memory (spec), counting nothing.
+        got = self.plain_pool.allocate(nbytes, now)
+        if isinstance(got, Fallback):
+            raise StagingError(
+                f"cannot stage {nbytes} bytes in plain memory on node {self.node_id}: "
+                f"{got.reason} (is {self.config.shm_dir} full?)"
+            )
+        return got, "dedicated" if got.dedicated else "plain", False
+
+    def _release_memory(self, freed: FreedSlot, now: float) -> None:
+        """Return a freed slot's memory to its pool, unless a copy still reads it."""
+        if self._reading[freed.slot_id] > 0:
+            self._deferred.setdefault(freed.slot_id, []).append(freed)
+            return
+        remote = self._copy_of.pop(freed.slot_id, None)
+        if remote is not None and self._copies.get(remote) == DataHandle(self.worker_id, freed.slot_id):
+            del self._copies[remote]
+        if isinstance(freed.location, Placement):
+            self._free_placement(freed.location, freed.pinned, now)
+
+    def _release_all(self, freed: list[FreedSlot] | FreedSlot | None, now: float) -> None:
+        if freed is None:
+            return
+        for item in freed if isinstance(freed, list) else [freed]:
+            self._release_memory(item, now)
+
+    def _begin_read(self, slot_id: int) -> None:
+        self._reading[slot_id] += 1
+
+    def _end_read(self, slot_id: int, now: float) -> None:
+        with self._lock:
+            self._reading[slot_id] -= 1
+            if self._reading[slot_id] <= 0:
+                del self._reading[slot_id]
+                for freed in self._deferred.pop(slot_id, []):
+                    self._release_memory(freed, now)
+
+    # --- local producers -------------------------------------------------------------
+
+    def stage_reserve(self, nbytes: int, pinned: bool, pid: int) -> Reservation:
+        """Reserve ``nbytes`` for a local producer to write into; commit or abort it next."""
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            if nbytes == 0:
+                placement, kind, is_pinned = None, "empty", False
+            else:
+                placement, kind, is_pinned = self._allocate(nbytes, pinned, now)
+            self._reservation_seq += 1
+            rid = self._reservation_seq
+            self._reservations[rid] = _Pending(placement, kind, is_pinned, pid)
+            if placement is None:
+                return Reservation(rid, "", 0, 0, False)
+            return Reservation(
+                rid, placement.arena.path, placement.offset_bytes, nbytes, placement.dedicated
+            )
+
+    def stage_commit(
+        self,
+        reservation_id: int,
+        nbytes: int,
+        type_header: TypeHeader,
+        ttl: float | None,
+        refcount: int,
+    ) -> DataHandle:
+        """Turn a written reservation into a slot; returns its handle."""
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            pending = self._reservations.pop(reservation_id, None)
+            if pending is None:
+                raise StagingError(f"reservation {reservation_id} is unknown or was reaped")
+            handle = self.store.stage(
+                nbytes,
+                type_header,
+                pending.placement,
+                kind=pending.kind,
+                pinned=pending.pinned,
+                now=now,
+                ttl=ttl,
+                refcount=refcount,
+            )
+            self._ticker.poke()
+            return DataHandle(handle.worker_id, handle.slot_id, self.node_id)
+
+    def stage_abort(self, reservation_id: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            pending = self._reservations.pop(reservation_id, None)
+            if pending is not None and pending.placement is not None:
+                self._free_placement(pending.placement, pending.pinned, now)
+
+    def _free_placement(self, placement: Placement, pinned: bool, now: float) -> None:
+        (self.pinned_pool if pinned else self.plain_pool).free(placement, now)
+
+    # --- local readers ---------------------------------------------------------------
+
+    def local_acquire(self, handle: DataHandle, pid: int) -> LocalLease:
+        """A lease for a process of this node reading an owned slot in place."""
+        with self._lock:
+            slot = self.store.slot(handle)
+            lease = self.store.acquire(handle, time.monotonic(), kind="local", holder_pid=pid)
+            self._ticker.poke()
+            return self._local_lease(slot, lease.lease_id)
+
+    def _local_lease(self, slot: Slot, lease_id: int, remote_lease_id: int = 0) -> LocalLease:
+        placement = slot.location
+        handle = DataHandle(self.worker_id, slot.slot_id, self.node_id)
+        if not isinstance(placement, Placement):
+            return LocalLease(handle, lease_id, "", 0, slot.total_len, slot.type_header, False, remote_lease_id)
+        return LocalLease(
+            handle,
+            lease_id,
+            placement.arena.path,
+            placement.offset_bytes,
+            slot.total_len,
+            slot.type_header,
+            placement.dedicated,
+            remote_lease_id,
+        )
+
+    def local_end(self, handle: DataHandle, lease_id: int, release: bool) -> None:
+        """End a local lease: ``release`` also drops the reference the reader consumed."""
+        now = time.monotonic()
+        with self._lock:
+            try:
+                if release:
+                    freed = self.store.release(handle, lease_id)
+                else:
+                    freed = self.store.detach(handle, lease_id)
+            except HandleNotFound:
+                return  # TTL or shutdown freed it first: nothing left to end
+            self._release_all(freed, now)
+
+    # --- the seven handlers (owner side) ---------------------------------------------
+
+    def _rv_metadata(self, data: bytes) -> bytes:
+        request = decode(MetadataRequest, data)
+        with self._lock:
+            meta = self.store.metadata(request.handle)
+        return encode(MetadataResponse(meta.size, meta.refcount, meta.pinned))
+
+    def _rv_acquire(self, data: bytes) -> bytes:
+        request = decode(AcquireRequest, data)
+        now = time.monotonic()
+        with self._lock:
+            slot = self.store.slot(request.handle)
+            rendezvous = self.config.rdma.rendezvous
+            facts = OwnerFacts(
+                offer=request.rdma,
+                has_registry=self.rdma is not None,
+                rdma_enabled=self.rdma_enabled,
+                slot_pinned=slot.pinned,
+                total_len=slot.total_len,
+                rdma_min_bytes=rendezvous.rdma_min_bytes,
+                draining=self.store.draining,
+            )
+            decision = decide_path(facts, lambda: self._descriptor(slot))
+            self.metrics.path(decision.path, decision.reason)
+            if decision.path == "rdma":
+                lease = self.store.acquire(
+                    request.handle, now, kind="rdma", timeout=rendezvous.lease_timeout
+                )
+                self._ticker.poke()
+                from ray_velo.protocol import Rdma
+
+                return encode(
+                    Rdma(
+                        lease.lease_id,
+                        decision.descriptor,
+                        rendezvous.lease_timeout_ms,
+                        slot.total_len,
+                        slot.type_header,
+                    )
+                )
+            timeout = request.lease_ms / 1000 if request.lease_ms > 0 else None
+            lease = self.store.acquire(
+                request.handle,
+                now,
+                kind="local" if request.holder_pid else "chunked",
+                timeout=timeout,
+                holder_pid=request.holder_pid,
+            )
+            if timeout is not None or request.holder_pid:
+                self._ticker.poke()
+            chunk = self.config.chunk_size
+            return encode(
+                Ready(
+                    lease.lease_id,
+                    lease.lease_id,
+                    chunk,
+                    math.ceil(slot.total_len / chunk),
+                    slot.total_len,
+                    slot.type_header,
+                )
+            )
+
+    def _descriptor(self, slot: Slot) -> bytes | None:
+        if self.rdma is None or not isinstance(slot.location, Placement):
+            return None
+        result: bytes | None = self.rdma.descriptor(slot.location, slot.total_len)
+        return result
+
+    def _rv_pull(self, data: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """One chunk, copied out (the copy runs outside the lock, the memory held)."""
+        request = decode(PullRequest, data)
+        now = time.monotonic()
+        with self._lock:
+            slot = self.store.pull(request.transfer_id, now)
+            chunk = self.config.chunk_size
+            start = request.index * chunk
+            if request.index < 0 or start >= max(slot.total_len, 1):
+                raise VeloError(
+                    f"chunk {request.index} is outside transfer {request.transfer_id} "
+                    f"({slot.total_len} bytes in chunks of {chunk})"
+                )
+            length = min(chunk, slot.total_len - start)
+            placement = slot.location
+            self._begin_read(slot.slot_id)
+        try:
+            out = np.empty(length, dtype=np.uint8)
+            if length:
+                assert isinstance(placement, Placement)
+                source = np.frombuffer(placement.view(), dtype=np.uint8, count=length, offset=start)
+                np.copyto(out, source)
+            return out
+        finally:
+            self._end_read(slot.slot_id, time.monotonic())
+
+    def _rv_ref(self, data: bytes) -> int:
+        request = decode(RefRequest, data)
+        with self._lock:
+            return self.store.ref(request.handle)
+
+    def _rv_detach(self, data: bytes) -> None:
+        request = decode(DetachRequest, data)
+        now = time.monotonic()
+        with self._lock:
+            self._release_all(self.store.detach(request.handle, request.lease_id), now)
+
+    def _rv_release(self, data: bytes) -> None:
+        request = decode(ReleaseRequest, data)
+        now = time.monotonic()
+        with self._lock:
+            self._release_all(self.store.release(request.handle, request.lease_id), now)
+
+    def _rv_lease_renew(self, data: bytes) -> None:
+        request = decode(LeaseRenewRequest, data)
+        with self._lock:
+            self.store.renew(request.handle, request.lease_id, time.monotonic())
+
+    # --- routing to owners (consumer side) -------------------------------------------
+
+    def _owner_node(self, handle: DataHandle) -> str:
+        if handle.owner_node:
+            return handle.owner_node
+        from ray_velo.actors.directory import node_of_worker
+
+        node = node_of_worker(handle.worker_id)
+        if node is None:
+            raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
+        return node
+
+    def _owner(self, handle: DataHandle) -> tuple[Any, str]:
+        """The owner agent's actor handle and node id. Raises OwnerDied if it is gone."""
+        node = self._owner_node(handle)
+        with self._lock:
+            actor = self._peers.get(node)
+        if actor is None:
+            from ray_velo.actors.directory import find_agent
+
+            try:
+                actor = find_agent(node)
+            except ValueError as exc:
+                raise OwnerDied(handle=str(handle), node=node) from exc
+            with self._lock:
+                self._peers[node] = actor
+        return actor, node
+
+    def route(self, handle: DataHandle, method: str, data: bytes, timeout_s: float | None) -> Any:
+        """Run one of the seven handlers on ``handle``'s owner (this agent or a peer)."""
+        if method not in _HANDLERS:
+            raise ValueError(f"unknown handler {method!r}")
+        if handle.worker_id == self.worker_id:
+            return getattr(self, method)(data)
+        actor, node = self._owner(handle)
+        try:
+            return call_owner(
+                getattr(actor, method).remote(data), Deadline.start(timeout_s), handle, node
+            )
+        except OwnerDied:
+            with self._lock:
+                self._peers.pop(node, None)
+            raise
+
+    # --- fetching from other nodes (consumer side) -----------------------------------
+
+    def fetch_remote(
+        self, handle: DataHandle, mode: str, timeout_s: float | None, pid: int, bound: str
+    ) -> LocalLease:
+        """Bring ``handle``'s bytes to this node and lease the local copy to ``pid``.
+
+        ``mode``: ``release`` (fetch: consume one reference on the owner), ``detach`` (fetch
+        without release: the handle stays usable), or ``hold`` (get: keep the owner's lease;
+        the caller detaches or releases it later).
+        """
+        if mode not in ("release", "detach", "hold"):
+            raise ValueError(f"unknown fetch mode {mode!r}")
+        deadline = Deadline.start(timeout_s, bound)
+        started = time.monotonic()
+        if mode != "hold":
+            cached = self._lease_cached_copy(handle, pid)
+            if cached is not None:
+                if mode == "release":
+                    self._drop_remote_reference(handle)
+                return cached
+        actor, node = self._owner(handle)
+        try:
+            return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started)
+        except OwnerDied:
+            with self._lock:
+                self._peers.pop(node, None)
+            raise
+
+    def _lease_cached_copy(self, handle: DataHandle, pid: int) -> LocalLease | None:
+        with self._lock:
+            local = self._copies.get(handle)
+            if local is None:
+                return None
+            try:
+                self.store.ref(local)
+            except HandleNotFound:
+                del self._copies[handle]
+                return None
+            slot = self.store.slot(local)
+            lease = self.store.acquire(local, time.monotonic(), kind="local", holder_pid=pid)
+            self._ticker.poke()
+            self.metrics.fetched("cache", slot.total_len, 0.0)
+            return self._local_lease(slot, lease.lease_id)
+
+    def _drop_remote_reference(self, handle: DataHandle) -> None:
+        actor, _ = self._owner(handle)
+        actor._rv_release.remote(encode(ReleaseRequest(handle, 0)))
+
+    def _fetch_from_owner(
+        self,
+        actor: Any,
+        node: str,
+        handle: DataHandle,
+        mode: str,
+        deadline: Deadline,
+        pid: int,
+        started: float,
+    ) -> LocalLease:
+        offer = build_offer(self.rdma is not None, self.rdma_enabled, self._peer_registered(node))
+        if offer.reason is not None:
+            self.metrics.path("chunked", offer.reason)
+        request = AcquireRequest(
+            handle,
+            rdma=offer.offer,
+            lease_ms=deadline.budget_ms(),
+            budget_ms=deadline.budget_ms(),
+        )
+        answer = decode_acquire_response(
+            call_owner(actor._rv_acquire.remote(encode(request)), deadline, handle, node)
+        )
+        limit = self.config.staged_payload_max
+        if limit is not None and answer.total_len > limit:
+            # Refuse before allocating: release so the owner frees its staged copy.
+            actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
+            raise PayloadTooLarge(handle=str(handle), size_bytes=answer.total_len, limit_bytes=limit)
+        now = time.monotonic()
+        try:
+            with self._lock:
+                self._check_open()
+                if answer.total_len:
+                    placement, kind, pinned = self._allocate(answer.total_len, True, now)
+                else:
+                    placement, kind, pinned = None, "empty", False
+        except BaseException:
+            actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+            raise
+        path = "chunked"
+        try:
+            if isinstance(answer, Ready):
+                if placement is not None:
+                    pull_chunks(
+                        actor,
+                        handle,
+                        node,
+                        answer.transfer_id,
+                        answer.chunk_size,
+                        answer.chunk_count,
+                        answer.total_len,
+                        placement.view(),
+                        self.config.pulls_in_flight,
+                        deadline,
+                    )
+            else:
+                raise ProtocolError(
+                    f"owner {node} answered RDMA, which this agent cannot use yet"
+                )
+        except BaseException:
+            with self._lock:
+                if placement is not None:
+                    self._free_placement(placement, pinned, time.monotonic())
+            if not isinstance(sys.exc_info()[1], OwnerDied):
+                actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+            raise
+        if mode == "release":
+            actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
+        elif mode == "detach":
+            actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+        now = time.monotonic()
+        with self._lock:
+            local = self.store.stage(
+                answer.total_len, answer.type_header, placement, kind=kind, pinned=pinned, now=now
+            )
+            slot = self.store.slot(local)
+            lease = self.store.acquire(local, now, kind="local", holder_pid=pid)
+            if mode != "hold":
+                self._copies[handle] = local
+                self._copy_of[local.slot_id] = handle
+            self._ticker.poke()
+        self.metrics.fetched(path, answer.total_len, now - started)
+        return self._local_lease(slot, lease.lease_id, answer.lease_id if mode == "hold" else 0)
+
+    def _peer_registered(self, node: str) -> bool:
+        return self.rdma is not None and bool(self.rdma.peer_registered(node))
+
+    # --- timers ----------------------------------------------------------------------
+
+    def _tick(self, now: float) -> float | None:
+        """Sweep deadlines, reap dead local readers, reclaim arenas; say when to run next."""
+        with self._lock:
+            if self._closed:
+                return None
+            result = self.store.sweep(now)
+            self._release_all(result.freed, now)
+            self.metrics.leases_reaped(result.rdma_leases_reaped)
+            pids = self.store.holder_pids() | {p.pid for p in self._reservations.values()}
+            dead = {pid for pid in pids if pid and not _pid_alive(pid)}
+            if dead:
+                self._release_all(self.store.reap_holders(dead), now)
+                for rid, pending in list(self._reservations.items()):
+                    if pending.pid in dead:
+                        del self._reservations[rid]
+                        if pending.placement is not None:
+                            self._free_placement(pending.placement, pending.pinned, now)
+            self.pinned_pool.reclaim(now)
+            self.plain_pool.reclaim(now)
+            due = [
+                self.store.next_deadline(),
+                self.pinned_pool.next_reclaim_deadline(now),
+                self.plain_pool.next_reclaim_deadline(now),
+            ]
+            if self.store.holder_pids() or self._reservations:
+                due.append(now + LIVENESS_INTERVAL_S)
+            return min((d for d in due if d is not None), default=None)
+
+    # --- shutdown --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StagingError(f"the ray_velo agent on node {self.node_id} is shutting down")
+
+    def shutdown(self) -> dict[str, int]:
+        """Drain and release everything: timers, slots, arenas. Returns what was freed."""
+        with self._lock:
+            if self._closed:
+                return {"slots": 0}
+            self.store.begin_drain()
+            self._closed = True
+        self._ticker.stop()
+        with self._lock:
+            now = time.monotonic()
+            freed = self.store.clear()
+            self._reading.clear()
+            self._release_all(freed, now)
+            for pending in self._reservations.values():
+                if pending.placement is not None:
+                    self._free_placement(pending.placement, pending.pinned, now)
+            self._reservations.clear()
+            if self.rdma is not None:
+                self.rdma.close()
+                self.rdma = None
+            self.pinned_pool.close()
+            self.plain_pool.close()
+        return {"slots": len(freed)}
+
+
+def _counters(store: SlotStore) -> dict[str, int]:
+    return dataclasses.asdict(store.counters)

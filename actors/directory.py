@@ -1,0 +1,108 @@
+"""Node directory: create, find and route to the rendezvous agent of each Ray node."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import ray
+from ray.experimental import internal_kv
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_velo.config import VeloConfig
+from ray_velo.actors.agent import RendezvousAgent
+
+__all__ = [
+    "NAMESPACE",
+    "RendezvousActor",
+    "agent_name",
+    "alive_node_ids",
+    "ensure_agent",
+    "ensure_agents",
+    "find_agent",
+    "load_cluster_config",
+    "node_of_worker",
+    "store_cluster_config",
+]
+
+NAMESPACE = "ray_velo"
+_KV_NAMESPACE = "ray_velo"
+_CONFIG_KEY = b"config"
+#: Concurrent calls one agent serves: pulls for many consumers, acquires, local leases.
+AGENT_MAX_CONCURRENCY = 64
+
+
+def agent_name(node_id: str) -> str:
+    """The well-known actor name of ``node_id``'s agent."""
+    return f"ray_velo_agent_{node_id}"
+
+
+class _RendezvousActor(RendezvousAgent):
+    """The agent as a Ray actor: records its worker id for routing."""
+
+    def __init__(self, config: VeloConfig, node_id: str) -> None:
+        super().__init__(config, node_id)
+        internal_kv._internal_kv_put(
+            _worker_key(self.worker_id), node_id.encode(), overwrite=True, namespace=_KV_NAMESPACE
+        )
+
+
+RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(
+    _RendezvousActor
+)
+
+
+def _worker_key(worker_id: int) -> bytes:
+    return f"worker:{worker_id:016x}".encode()
+
+
+def node_of_worker(worker_id: int) -> str | None:
+    """The node whose agent issued handles with ``worker_id``, if known."""
+    value = internal_kv._internal_kv_get(_worker_key(worker_id), namespace=_KV_NAMESPACE)
+    return value.decode() if value else None
+
+
+def store_cluster_config(config: VeloConfig) -> None:
+    """Publish the config so agents created later (new nodes) use the same one."""
+    internal_kv._internal_kv_put(
+        _CONFIG_KEY, pickle.dumps(config), overwrite=True, namespace=_KV_NAMESPACE
+    )
+
+
+def load_cluster_config() -> VeloConfig:
+    value = internal_kv._internal_kv_get(_CONFIG_KEY, namespace=_KV_NAMESPACE)
+    if not value:
+        return VeloConfig()
+    config = pickle.loads(value)
+    assert isinstance(config, VeloConfig)
+    return config
+
+
+def alive_node_ids() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+
+def ensure_agent(node_id: str, config: VeloConfig | None = None) -> Any:
+    """The agent of ``node_id``, created there if it does not exist yet (race-free)."""
+    if config is None:
+        config = load_cluster_config()
+    return RendezvousActor.options(  # type: ignore[no-any-return]
+        name=agent_name(node_id),
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached" if os.environ.get("RAY_VELO_DETACHED_AGENTS") else None,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(config, node_id)
+
+
+def ensure_agents(config: VeloConfig, timeout_s: float = 120.0) -> dict[str, Any]:
+    """An agent on every alive node, each answering a ping. Returns them by node id."""
+    agents = {node_id: ensure_agent(node_id, config) for node_id in alive_node_ids()}
+    ray.get([agent.ping.remote() for agent in agents.values()], timeout=timeout_s)
+    return agents
+
+
+def find_agent(node_id: str) -> Any:
+    """The existing agent of ``node_id``. Raises ValueError if there is none."""
+    return ray.get_actor(agent_name(node_id), namespace=NAMESPACE)

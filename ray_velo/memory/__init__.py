@@ -1,0 +1,91 @@
+"""Staging memory: shared-memory arenas, the registered arena pool and caller-owned regions.
+
+Layers, bottom up:
+
+* :mod:`~ray_velo.memory.allocator` hands out 4 KiB granule ranges of one arena in O(1).
+* :mod:`~ray_velo.memory.arena` creates arena files in a shared-memory directory (the owner
+  agent) and maps them by path (every other process of the node).
+* :mod:`~ray_velo.memory.pool` keeps a few large arenas registered with the RDMA backend
+  through a :class:`Registrar`, charged to a :class:`RegistrationBudget`, and falls back
+  (never raises) when it cannot place bytes.
+* :mod:`~ray_velo.memory.region` registers memory the caller owns, with in-flight anchors, a
+  copy gate and the drain-then-unmap release of :class:`RegionGuard`.
+
+Nothing here imports Ray or UCX; the UCX backend plugs in as a :class:`Registrar`.
+"""
+
+from __future__ import annotations
+
+from ray_velo.memory.allocator import (
+    GRANULE_BYTES,
+    Allocation,
+    OffsetAllocator,
+    bytes_to_granules,
+)
+from ray_velo.memory.arena import (
+    PAGE_BYTES,
+    SEGMENT_PREFIX,
+    SegmentMap,
+    ShmArena,
+    page_round_up,
+    remove_stale_segments,
+    segment_name,
+)
+from ray_velo.memory.pool import (
+    ArenaPool,
+    Fallback,
+    FallbackReason,
+    NoopRegistrar,
+    NoopRegistration,
+    Placement,
+    Registrar,
+    Registration,
+    RegistrationBudget,
+    page_range,
+)
+from ray_velo.memory.region import (
+    COPY_GATE_CHUNK_BYTES,
+    Deregistered,
+    DeregisteredSignal,
+    Drained,
+    DrainTimedOut,
+    InFlight,
+    Region,
+    RegionGuard,
+    RegionState,
+    RegionWatch,
+)
+
+__all__ = [
+    "COPY_GATE_CHUNK_BYTES",
+    "GRANULE_BYTES",
+    "PAGE_BYTES",
+    "SEGMENT_PREFIX",
+    "Allocation",
+    "ArenaPool",
+    "Deregistered",
+    "DeregisteredSignal",
+    "DrainTimedOut",
+    "Drained",
+    "Fallback",
+    "FallbackReason",
+    "InFlight",
+    "NoopRegistrar",
+    "NoopRegistration",
+    "OffsetAllocator",
+    "Placement",
+    "Region",
+    "RegionGuard",
+    "RegionState",
+    "RegionWatch",
+    "Registrar",
+    "Registration",
+    "RegistrationBudget",
+    "SegmentMap",
+    "ShmArena",
+    "bytes_to_granules",
+    "page_range",
+    "page_round_up",
+    "remove_stale_segments",
+    "segment_name",
+]

@@ -1,0 +1,237 @@
+"""Metrics: the spec's series, counted in plain integers, exported through Ray.
+
+Each agent owns one :class:`AgentMetrics`. Work sites bump plain counters (no label objects,
+no locks on the hot path beyond the agent's own); when the agent runs inside Ray the same
+events also go to ``ray.util.metrics`` objects, which Ray exports on each node's metrics
+port with a ``ray_`` prefix (docs/metrics.md lists the exported names). ``snapshot()`` gives
+the counters to tests and to ``ray-velo status``; :func:`prometheus_registry` renders a
+snapshot for a standalone Prometheus scrape. No handle or lease id is ever a label.
+
+Spec series (name inside Ray -> exported name):
+
+* ``velo_rendezvous_rdma_path`` {path, reason} -> ``ray_velo_rendezvous_rdma_path_total``
+* ``velo_rendezvous_rdma_get_duration_seconds`` (histogram)
+* ``velo_rendezvous_rdma_leases_reaped`` -> ``ray_velo_rendezvous_rdma_leases_reaped_total``
+* ``velo_rdma_registered_bytes`` (gauge), ``velo_rdma_live_regions`` (gauge)
+* ``velo_rdma_registrations`` {kind} -> ``ray_velo_rdma_registrations_total``
+
+Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {path},
+``velo_live_slots``, ``velo_staged_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Any
+
+__all__ = ["GET_BUCKETS_S", "AgentMetrics", "prometheus_registry"]
+
+_log = logging.getLogger(__name__)
+
+#: Histogram buckets for GET and fetch durations (seconds): 100 us .. 60 s.
+GET_BUCKETS_S = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0]
+
+
+class _RayExport:
+    """The ``ray.util.metrics`` twins of the counters (created only inside a Ray worker)."""
+
+    def __init__(self, node_id: str) -> None:
+        from ray.util import metrics as rm
+
+        tags = {"node": node_id}
+        self.path = rm.Counter(
+            "velo_rendezvous_rdma_path",
+            "Path decisions with their reason (reason=ok is the only path=rdma label).",
+            tag_keys=("path", "reason", "node"),
+        )
+        self.get_duration = rm.Histogram(
+            "velo_rendezvous_rdma_get_duration_seconds",
+            "RDMA GET time, without the acquire round trip.",
+            boundaries=GET_BUCKETS_S,
+            tag_keys=("node",),
+        )
+        self.reaped = rm.Counter(
+            "velo_rendezvous_rdma_leases_reaped",
+            "RDMA leases the owner reaper force-released.",
+            tag_keys=("node",),
+        )
+        self.registered = rm.Gauge(
+            "velo_rdma_registered_bytes", "Mapped bytes, pool and external.", tag_keys=("node",)
+        )
+        self.registrations = rm.Counter(
+            "velo_rdma_registrations",
+            "Registrations, kind = arena or external.",
+            tag_keys=("kind", "node"),
+        )
+        self.live_regions = rm.Gauge(
+            "velo_rdma_live_regions", "Regions the backend holds registered.", tag_keys=("node",)
+        )
+        self.bytes_moved = rm.Counter(
+            "velo_bytes_moved", "Payload bytes fetched, by path.", tag_keys=("path", "node")
+        )
+        self.fetch_duration = rm.Histogram(
+            "velo_fetch_duration_seconds",
+            "Fetch time on the consumer, acquire to last byte, by path.",
+            boundaries=GET_BUCKETS_S,
+            tag_keys=("path", "node"),
+        )
+        self.live_slots = rm.Gauge("velo_live_slots", "Slots staged on this agent.", tag_keys=("node",))
+        self.staged_bytes = rm.Gauge(
+            "velo_staged_bytes", "Bytes staged on this agent.", tag_keys=("node",)
+        )
+        for metric in (
+            self.path,
+            self.get_duration,
+            self.reaped,
+            self.registered,
+            self.registrations,
+            self.live_regions,
+            self.bytes_moved,
+            self.fetch_duration,
+            self.live_slots,
+            self.staged_bytes,
+        ):
+            metric.set_default_tags(tags)
+
+
+class AgentMetrics:
+    """One agent's counters, mirrored to Ray's metrics export when inside Ray."""
+
+    def __init__(self, node_id: str, *, export_to_ray: bool | None = None) -> None:
+        self.node_id = node_id
+        self._lock = threading.Lock()
+        self.path_total: Counter[tuple[str, str]] = Counter()
+        self.get_durations_s: list[float] = []
+        self.leases_reaped_total = 0
+        self.registered_bytes = 0
+        self.registrations_total: Counter[str] = Counter()
+        self.live_regions = 0
+        self.bytes_moved: Counter[str] = Counter()
+        self.fetches: Counter[str] = Counter()
+        self.live_slots = 0
+        self.staged_bytes = 0
+        self._ray: _RayExport | None = None
+        if export_to_ray is None:
+            export_to_ray = _inside_ray_worker()
+        if export_to_ray:
+            try:
+                self._ray = _RayExport(node_id)
+            except Exception:  # metrics must never stop an agent from serving
+                _log.warning("ray_velo: Ray metrics export unavailable", exc_info=True)
+
+    def path(self, path: str, reason: str) -> None:
+        """Count one path decision (owner or consumer side, per the spec's points)."""
+        with self._lock:
+            self.path_total[(path, reason)] += 1
+        if self._ray is not None:
+            self._ray.path.inc(1, {"path": path, "reason": reason})
+
+    def get_completed(self, seconds: float) -> None:
+        with self._lock:
+            self.get_durations_s.append(seconds)
+            del self.get_durations_s[:-1000]
+        if self._ray is not None:
+            self._ray.get_duration.observe(seconds)
+
+    def leases_reaped(self, count: int) -> None:
+        if not count:
+            return
+        with self._lock:
+            self.leases_reaped_total += count
+        if self._ray is not None:
+            self._ray.reaped.inc(count)
+
+    def registration(self, kind: str, registered_bytes: int) -> None:
+        with self._lock:
+            self.registrations_total[kind] += 1
+        self.set_registered(registered_bytes)
+        if self._ray is not None:
+            self._ray.registrations.inc(1, {"kind": kind})
+
+    def set_registered(self, registered_bytes: int, live_regions: int | None = None) -> None:
+        with self._lock:
+            self.registered_bytes = registered_bytes
+            if live_regions is not None:
+                self.live_regions = live_regions
+        if self._ray is not None:
+            self._ray.registered.set(registered_bytes)
+            if live_regions is not None:
+                self._ray.live_regions.set(live_regions)
+
+    def fetched(self, path: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes_moved[path] += nbytes
+            self.fetches[path] += 1
+        if self._ray is not None:
+            self._ray.bytes_moved.inc(nbytes, {"path": path})
+            self._ray.fetch_duration.observe(seconds, {"path": path})
+
+    def set_slots(self, live_slots: int, staged_bytes: int) -> None:
+        with self._lock:
+            self.live_slots, self.staged_bytes = live_slots, staged_bytes
+        if self._ray is not None:
+            self._ray.live_slots.set(live_slots)
+            self._ray.staged_bytes.set(staged_bytes)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-data copy of every counter (picklable; for tests and ``ray-velo status``)."""
+        with self._lock:
+            return {
+                "velo_rendezvous_rdma_path_total": {
+                    f"{path}/{reason}": n for (path, reason), n in sorted(self.path_total.items())
+                },
+                "velo_rendezvous_rdma_get_duration_seconds": {
+                    "count": len(self.get_durations_s),
+                    "sum": sum(self.get_durations_s),
+                },
+                "velo_rendezvous_rdma_leases_reaped_total": self.leases_reaped_total,
+                "velo_rdma_registered_bytes": self.registered_bytes,
+                "velo_rdma_registrations_total": dict(self.registrations_total),
+                "velo_rdma_live_regions": self.live_regions,
+                "velo_bytes_moved_total": dict(self.bytes_moved),
+                "velo_fetches_total": dict(self.fetches),
+                "velo_live_slots": self.live_slots,
+                "velo_staged_bytes": self.staged_bytes,
+            }
+
+
+def _inside_ray_worker() -> bool:
+    try:
+        import ray
+
+        return bool(ray.is_initialized())
+    except Exception:
+        return False
+
+
+def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> Any:
+    """A ``prometheus_client`` registry holding the given agents' snapshots (by node id).
+
+    For a standalone scrape or a test; inside Ray the same series come from Ray's export.
+    """
+    from prometheus_client import CollectorRegistry, Counter as PCounter, Gauge
+
+    registry = CollectorRegistry()
+    path = PCounter(
+        "velo_rendezvous_rdma_path", "Path decisions.", ("path", "reason", "node"), registry=registry
+    )
+    reaped = PCounter(
+        "velo_rendezvous_rdma_leases_reaped", "Reaped RDMA leases.", ("node",), registry=registry
+    )
+    registered = Gauge("velo_rdma_registered_bytes", "Mapped bytes.", ("node",), registry=registry)
+    regs = PCounter(
+        "velo_rdma_registrations", "Registrations.", ("kind", "node"), registry=registry
+    )
+    regions = Gauge("velo_rdma_live_regions", "Live regions.", ("node",), registry=registry)
+    for node, snap in snapshots.items():
+        for key, n in snap["velo_rendezvous_rdma_path_total"].items():
+            p, reason = key.split("/", 1)
+            path.labels(p, reason, node).inc(n)
+        reaped.labels(node).inc(snap["velo_rendezvous_rdma_leases_reaped_total"])
+        registered.labels(node).set(snap["velo_rdma_registered_bytes"])
+        for kind, n in snap["velo_rdma_registrations_total"].items():
+            regs.labels(kind, node).inc(n)
+        regions.labels(node).set(snap["velo_rdma_live_regions"])
+    return registry

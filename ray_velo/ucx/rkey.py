@@ -1,0 +1,162 @@
+"""Framing pre-check of a UCX packed remote key, before any pointer reaches UCX.
+
+``ucp_ep_rkey_unpack(ep, buffer, &rkey)`` takes no length: UCX walks the blob trusting the
+bytes inside it, and a bad memory-type byte crashes the process (research/ucx.md §6). So a
+key from a peer is walked here first, in pure Python, with the same rules as UCX's own parser
+(``ucp_ep_rkey_unpack_internal`` and ``ucp_rkey_unpack_lanes_distance``, UCX >= 1.20, unchanged
+in 1.22), and refused unless every byte UCX will read lies inside the blob.
+
+Layout (all integers little-endian)::
+
+    u64 md_map | u8 mem_type
+    for each set bit of md_map, ascending:  u8 size, then size bytes (one UCT rkey)
+    if md_map != 0:                         u8 sys_dev (0xFF = unknown)
+    if sys_dev != 0xFF:                     3-byte distances {u8 sys_dev, fp8, fp8}...,
+                                            then a 0xFF terminator
+
+Stage 2 (the distance list) runs with an unbounded end in UCX and stops only at a 0xFF byte on
+the 3-byte stride, so the terminator must be inside the blob. This checks framing only: a stale
+key with perfect framing passes. No cffi, no UCX: this module imports the standard library and
+``ray_velo.errors`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray_velo.errors import DescriptorError
+
+__all__ = [
+    "MAX_MD_MAP_BITS",
+    "PACKED_RKEY_MAX_BYTES",
+    "PackedRkeyLayout",
+    "check_packed_rkey",
+    "parse_packed_rkey",
+]
+
+PACKED_RKEY_MAX_BYTES = 1024
+"""Largest packed key the UCX backend accepts (the spec's bound; the descriptor allows 4096)."""
+
+MD_MAP_BYTES = 8
+"""``ucp_md_map_t``: one bit per remote memory domain."""
+
+MEM_TYPE_BYTES = 1
+HEADER_BYTES = MD_MAP_BYTES + MEM_TYPE_BYTES
+"""md_map + mem_type: the shortest key (9 bytes, md_map == 0, the tcp/cma dummy key)."""
+
+UCS_MEMORY_TYPE_HOST = 0
+UCS_MEMORY_TYPE_LAST = 10
+"""host, cuda, cuda_managed, rocm, rocm_managed, rdma, ze_host, ze_device, ze_managed, gaudi."""
+
+SYS_DEVICE_ID_UNKNOWN = 0xFF
+"""``UCS_SYS_DEVICE_ID_UNKNOWN``: no distance list follows; also the list terminator."""
+
+PACKED_DISTANCE_BYTES = 3
+"""``ucp_rkey_packed_distance_t``: u8 sys_dev, fp8 latency, fp8 bandwidth."""
+
+MAX_MD_MAP_BITS = 16
+"""More memory domains than any real transport set has: refuse rather than trust."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedRkeyLayout:
+    """What a well-framed packed key says about itself (for diagnostics)."""
+
+    length: int
+    md_map: int
+    mem_type: int
+    tl_rkey_sizes: tuple[int, ...]
+    sys_dev: int | None
+    distance_count: int
+
+
+def _refuse(reason: str) -> DescriptorError:
+    return DescriptorError(reason=f"packed rkey: {reason}")
+
+
+def parse_packed_rkey(
+    blob: bytes | bytearray | memoryview, max_len: int = PACKED_RKEY_MAX_BYTES
+) -> PackedRkeyLayout:
+    """Walk a packed key exactly as UCX will and describe it.
+
+    Args:
+        blob: the key bytes as received from the peer.
+        max_len: the largest key accepted, in bytes.
+
+    Raises:
+        DescriptorError: for any blob UCX could not parse within its own bytes, or one this
+            library refuses (non-host memory, more than ``MAX_MD_MAP_BITS`` memory domains).
+    """
+    data = bytes(blob)
+    n = len(data)
+    if n > max_len:
+        raise _refuse(f"{n} bytes is over the {max_len}-byte limit")
+    if n < HEADER_BYTES:
+        raise _refuse(f"{n} bytes is shorter than the {HEADER_BYTES}-byte header")
+
+    md_map = int.from_bytes(data[:MD_MAP_BYTES], "little")
+    mem_type = data[MD_MAP_BYTES]
+    if mem_type >= UCS_MEMORY_TYPE_LAST:
+        raise _refuse(f"mem_type {mem_type} is out of range (< {UCS_MEMORY_TYPE_LAST})")
+    if mem_type != UCS_MEMORY_TYPE_HOST:
+        raise _refuse(f"mem_type {mem_type} is not host memory ({UCS_MEMORY_TYPE_HOST})")
+    md_count = md_map.bit_count()
+    if md_count > MAX_MD_MAP_BITS:
+        raise _refuse(f"md_map {md_map:#018x} names {md_count} memory domains (> {MAX_MD_MAP_BITS})")
+
+    # Stage 1: one (size, body) per set bit of md_map, driven by md_map, not by the length.
+    pos = HEADER_BYTES
+    sizes: list[int] = []
+    for index in range(md_count):
+        if pos >= n:
+            raise _refuse(f"md body {index} of {md_count}: size byte at {pos} is past the end")
+        size = data[pos]
+        end = pos + 1 + size
+        if end > n:
+            raise _refuse(f"md body {index} of {md_count}: {size} bytes run past the end")
+        sizes.append(size)
+        pos = end
+
+    if md_map == 0:
+        # The dummy key: UCX reads no sys_dev byte and runs no stage 2.
+        if pos != n:
+            raise _refuse(f"{n - pos} trailing bytes after a key with no memory domains")
+        return PackedRkeyLayout(n, md_map, mem_type, (), None, 0)
+
+    if pos >= n:
+        raise _refuse("sys_dev byte is missing")
+    sys_dev = data[pos]
+    pos += 1
+
+    distances = 0
+    if sys_dev != SYS_DEVICE_ID_UNKNOWN:
+        # Stage 2: UCX walks 3-byte records until a 0xFF byte; it must be inside the blob.
+        while True:
+            if pos >= n:
+                raise _refuse("distance list is not terminated by 0xFF")
+            if data[pos] == SYS_DEVICE_ID_UNKNOWN:
+                pos += 1
+                break
+            if pos + PACKED_DISTANCE_BYTES > n:
+                raise _refuse("distance record runs past the end")
+            pos += PACKED_DISTANCE_BYTES
+            distances += 1
+
+    if pos != n:
+        raise _refuse(f"{n - pos} trailing bytes")
+    return PackedRkeyLayout(n, md_map, mem_type, tuple(sizes), sys_dev, distances)
+
+
+def check_packed_rkey(
+    blob: bytes | bytearray | memoryview, max_len: int = PACKED_RKEY_MAX_BYTES
+) -> None:
+    """Refuse a packed key that UCX could not parse within its own bytes.
+
+    Args:
+        blob: the key bytes as received from the peer.
+        max_len: the largest key accepted, in bytes.
+
+    Raises:
+        DescriptorError: see :func:`parse_packed_rkey`.
+    """
+    parse_packed_rkey(blob, max_len)
