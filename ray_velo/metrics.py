@@ -165,7 +165,8 @@ class AgentMetrics:
             self.bytes_moved[path] += nbytes
             self.fetches[path] += 1
         if self._ray is not None:
-            self._ray.bytes_moved.inc(nbytes, {"path": path})
+            if nbytes > 0:  # Ray counters refuse a zero increment
+                self._ray.bytes_moved.inc(nbytes, {"path": path})
             self._ray.fetch_duration.observe(seconds, {"path": path})
 
     def set_slots(self, live_slots: int, staged_bytes: int) -> None:

@@ -162,7 +162,7 @@ class ShmArena:
         try:
             os.ftruncate(fd, size)
             if not prefault:
-                os.posix_fallocate(fd, 0, size)
+                _reserve(fd, size)
             buffer = mmap.mmap(
                 fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
@@ -256,6 +256,17 @@ class ShmArena:
         return f"<ShmArena {self.name} {self._nbytes} bytes {state}>"
 
 
+def _reserve(fd: int, size: int) -> None:
+    """Allocate every page of the file now, so running out is ENOSPC here, not SIGBUS later."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        # A filesystem that cannot preallocate: the statvfs check is the only guard left.
+        _log.debug("cannot preallocate arena pages (%s); relying on the statvfs check", exc)
+
+
 def _populate(buffer: mmap.mmap, fd: int, size: int) -> None:
     """Reserve and map every page of a fresh mapping (after MADV_HUGEPAGE, so huge pages stick)."""
     while True:
@@ -269,7 +280,7 @@ def _populate(buffer: mmap.mmap, fd: int, size: int) -> None:
                 raise  # ENOMEM/EFAULT: the tmpfs ran out; the caller maps it
             break
     # Kernel before 5.14: reserve first (a failed touch would be a SIGBUS), then touch.
-    os.posix_fallocate(fd, 0, size)
+    _reserve(fd, size)
     view = memoryview(buffer)
     try:
         for offset in range(0, size, PAGE_BYTES):

@@ -55,6 +55,7 @@ __all__ = [
     "Registrar",
     "Registration",
     "RegistrationBudget",
+    "bin_reserved_granules",
     "page_range",
 ]
 
@@ -689,9 +690,7 @@ class ArenaPool:
             size = min(2 * self._pooled[-1].arena.nbytes, config.max_arena_bytes)
         else:
             size = config.initial_arena_bytes
-        # The allocator reserves the request rounded up to its bin (< 1/8 more), so a fresh
-        # arena of this many granules is sure to serve it.
-        need = (granules + (granules >> 3)) * GRANULE_BYTES
+        need = bin_reserved_granules(granules) * GRANULE_BYTES
         return _round_up(max(size, need), max(PAGE_BYTES, GRANULE_BYTES))
 
     def _map_arena(self, size: int, dedicated: bool, nbytes: int) -> _ArenaRecord | Fallback:
@@ -778,6 +777,18 @@ class ArenaPool:
             victims.append(record)
             mapped -= record.arena.nbytes
         return victims
+
+
+def bin_reserved_granules(granules: int) -> int:
+    """Granules the offset allocator reserves for a request of ``granules`` (>= 1).
+
+    Its bins are floats with a 3-bit mantissa: a request is rounded up to a multiple of
+    ``2 ** (bit_length - 4)`` (exact below 16). A fresh arena of at least this many granules
+    is sure to serve the request. Mirrors the allocator's rounding; a test checks the two
+    agree.
+    """
+    step = 1 << max(0, granules.bit_length() - 4)
+    return _round_up(granules, step)
 
 
 def _round_up(value: int, multiple: int) -> int:

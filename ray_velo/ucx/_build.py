@@ -363,13 +363,25 @@ def make_builder(prefix: str | None = None) -> cffi.FFI:
 ffibuilder = make_builder()
 
 
-if __name__ == "__main__":
-    # In-place build: writes ray_velo/ucx/_ucx_binding*.so next to this file.
-    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = ffibuilder.compile(tmpdir=os.path.join(repo_root, "build", "cffi"), verbose=False)
-    target_dir = os.path.join(repo_root, "ray_velo", "ucx")
-    import shutil
+def build_in_place() -> str:
+    """Compile the extension next to this file (no pip); returns the path of the module.
 
-    dest = os.path.join(target_dir, os.path.basename(out))
-    shutil.copyfile(out, dest)
-    sys.stdout.write(f"built {dest}\n")
+    Other builds of it (``.abi3.so`` from ``pip install -e``, or another Python's) are removed
+    first, so the interpreter cannot pick a stale one.
+    """
+    import glob
+    import shutil
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    for stale in glob.glob(os.path.join(here, "_ucx_binding*.so")):
+        os.remove(stale)
+    with tempfile.TemporaryDirectory(prefix="ray_velo_cffi_") as tmp:
+        built = ffibuilder.compile(tmpdir=tmp, verbose=False)
+        dest = os.path.join(here, os.path.basename(built))
+        shutil.copyfile(built, dest)
+    return dest
+
+
+if __name__ == "__main__":
+    sys.stdout.write(f"built {build_in_place()}\n")

@@ -502,8 +502,8 @@ class Endpoint(_Node):
         self._b.lib.rv_ep_error_cb(self._error_cell, self._b.ffi.NULL, status)
 
     def _check_usable(self, operation: str) -> None:
-        # Caller holds self._lock.
-        if not self._open or self._closing or self._ucp_closed:
+        # Caller holds self._lock. A failed endpoint reports its failure, not just "closed".
+        if not self._open or self._closing:
             raise _closed_error(operation, self._kind)
         status = self.error_status
         if status != UcsStatus.OK:
@@ -512,6 +512,8 @@ class Endpoint(_Node):
                 status=status,
                 status_text=f"endpoint failed earlier: {status_text(status)}",
             )
+        if self._ucp_closed:
+            raise _closed_error(operation, self._kind)
 
     def _abort(self, status: int, why: str) -> None:
         """Force-close the UCX endpoint now: its outstanding requests complete CANCELED.

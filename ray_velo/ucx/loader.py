@@ -11,9 +11,10 @@ system UCX >= 1.20 and set that variable. The extension binds by soname (``libuc
 whichever copy is loaded first serves it.
 
 UCM (memory hook) options are read once, when libucs is loaded: ``ucp_config_modify`` accepts
-``MEM_EVENTS`` and ignores it (measured: libc's mmap/munmap/brk are patched either way). So
-``UCX_MEM_EVENTS=n`` is put in the environment before loading, unless the caller set it; a
-libucs that another package loaded earlier keeps whatever it was loaded with.
+``MEM_EVENTS`` and ignores it (measured: libc's mmap/munmap/brk/madvise are patched either
+way). So ``UCX_MEM_EVENTS=n`` is in the environment while the libraries load, unless the caller
+set it, and the environment is restored right after. A libucs that another package loaded
+earlier (ucxx) keeps whatever it was loaded with.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def _load_locked() -> Binding:
     except ImportError as exc:
         _failure = f"the libucx package is not installed ({exc})"
         raise _unavailable(_failure) from exc
+    # Only the environment at libucs load time reaches UCM: set our defaults for the load
+    # and put the environment back, so child processes inherit nothing from us.
+    saved = {key: os.environ.get(key) for key in _ENV_DEFAULTS}
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     try:
@@ -94,6 +98,12 @@ def _load_locked() -> Binding:
     except OSError as exc:
         _failure = f"libucx.load_library() failed: {exc}"
         raise _unavailable(_failure) from exc
+    finally:
+        for key, previous in saved.items():
+            if previous is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = previous
     if handles is not None and any(h is None for h in handles):
         _failure = "libucx.load_library() found no libucs/libuct/libucp to load"
         raise _unavailable(_failure)

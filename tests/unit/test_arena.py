@@ -265,6 +265,6 @@ def test_arena_names_never_repeat_in_a_process(shm_dir: Path) -> None:
 
 def test_module_constants() -> None:
     """Pages and names are what the pool and other processes assume."""
-    assert PAGE_BYTES == os.sysconf("SC_PAGE_SIZE")
+    assert os.sysconf("SC_PAGE_SIZE") == PAGE_BYTES
     assert segment_name(42, 0xAB, 3) == "ray_velo-42-00000000000000ab-3"
     assert arena_mod.SEGMENT_PREFIX == "ray_velo-"
