@@ -4,6 +4,6 @@
 ``ray_velo/ucx/_build.py``, against the headers of the ``libucx-cu12`` build requirement.
 """
 
-from setuptools import setup
+from setuptools import setup  # type: ignore[import-untyped]
 
 setup(cffi_modules=["ray_velo/ucx/_build.py:ffibuilder"])

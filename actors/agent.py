@@ -33,13 +33,15 @@ from ray_velo import metrics
 from ray_velo.config import RdmaPoolConfig, VeloConfig
 from ray_velo.errors import (
     HandleNotFound,
+    RegionDeregistered,
     OwnerDied,
     PayloadTooLarge,
     ProtocolError,
     StagingError,
     VeloError,
 )
-from ray_velo.memory.arena import remove_stale_segments
+from ray_velo.memory.arena import ShmArena, remove_stale_segments
+from ray_velo.memory.region import DrainTimedOut, InFlight, Region
 from ray_velo.memory.pool import ArenaPool, Fallback, NoopRegistrar, Placement, RegistrationBudget
 from ray_velo.protocol import (
     AcquireRequest,
@@ -104,6 +106,32 @@ class LocalLease:
     remote_lease_id: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RegionInfo:
+    """A caller-owned region as its process sees it: a segment to map and write."""
+
+    region_id: int
+    path: str
+    nbytes: int
+    effective_range: tuple[int, int]
+
+
+@dataclass(slots=True)
+class _OwnedRegion:
+    arena: ShmArena
+    region: Region
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionSlot:
+    """A slot staged in a caller's region: no copy, an in-flight anchor held while it lives."""
+
+    region: Region
+    anchor: InFlight
+    offset: int
+
+
 _HANDLERS = frozenset(
     {"_rv_metadata", "_rv_acquire", "_rv_pull", "_rv_ref", "_rv_detach", "_rv_release", "_rv_lease_renew"}
 )
@@ -144,11 +172,12 @@ class RendezvousAgent:
             _log.warning("removed shared-memory segment %s of a crashed ray_velo agent", path)
         self.budget = RegistrationBudget(config.rdma.pool.registered_bytes_budget)
         self.rdma: Any = None  # the RDMA backend, when UCX is up (see ray_velo.ucx)
+        self._noop_registrar = NoopRegistrar()
         self.pinned_pool = ArenaPool(
             config.rdma.pool,
             config.shm_dir,
             self.worker_id,
-            registrar=NoopRegistrar(),
+            registrar=self._noop_registrar,
             budget=self.budget,
             prefault=False,
         )
@@ -174,6 +203,7 @@ class RendezvousAgent:
         self._copies: dict[DataHandle, DataHandle] = {}  # remote handle -> local copy
         self._copy_of: dict[int, DataHandle] = {}  # local slot id -> remote handle
         self._peers: dict[str, Any] = {}
+        self._regions: dict[int, _OwnedRegion] = {}
         self._closed = False
         self.metrics = metrics.AgentMetrics(node_id)
         self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{self.worker_id:016x}")
@@ -240,6 +270,8 @@ class RendezvousAgent:
             del self._copies[remote]
         if isinstance(freed.location, Placement):
             self._free_placement(freed.location, freed.pinned, now)
+        elif isinstance(freed.location, _RegionSlot):
+            freed.location.anchor.release()
 
     def _release_all(self, freed: list[FreedSlot] | FreedSlot | None, now: float) -> None:
         if freed is None:
@@ -318,13 +350,39 @@ class RendezvousAgent:
 
     # --- local readers ---------------------------------------------------------------
 
-    def local_acquire(self, handle: DataHandle, pid: int) -> LocalLease:
-        """A lease for a process of this node reading an owned slot in place."""
+    def local_acquire(self, handle: DataHandle, pid: int, release: bool = False) -> LocalLease:
+        """A lease for a process of this node reading an owned slot in place.
+
+        A slot in a caller's region is never handed out in place (its owner may write it at
+        any time): the reader gets a lease on a copy taken under the region's copy gate, and
+        ``release`` says whether the reader consumed its reference on the region slot.
+        """
+        now = time.monotonic()
         with self._lock:
             slot = self.store.slot(handle)
-            lease = self.store.acquire(handle, time.monotonic(), kind="local", holder_pid=pid)
+            lease = self.store.acquire(handle, now, kind="local", holder_pid=pid)
             self._ticker.poke()
-            return self._local_lease(slot, lease.lease_id)
+            if not isinstance(slot.location, _RegionSlot):
+                return self._local_lease(slot, lease.lease_id)
+            region_slot: _RegionSlot = slot.location
+            placement, kind, _ = self._allocate(slot.total_len, False, now)
+        try:
+            region_slot.region.copy_into(region_slot.offset, placement.view()[: slot.total_len])
+        except BaseException:
+            with self._lock:
+                self._free_placement(placement, False, time.monotonic())
+                self._release_all(self.store.detach(handle, lease.lease_id), time.monotonic())
+            raise
+        with self._lock:
+            # the copy stands in for the region slot: the reader's lease moves onto it
+            end = self.store.release if release else self.store.detach
+            self._release_all(end(handle, lease.lease_id), now)
+            copy = self.store.stage(
+                slot.total_len, slot.type_header, placement, kind=kind, pinned=False, now=now
+            )
+            copy_slot = self.store.slot(copy)
+            copy_lease = self.store.acquire(copy, now, kind="local", holder_pid=pid)
+            return self._local_lease(copy_slot, copy_lease.lease_id)
 
     def _local_lease(self, slot: Slot, lease_id: int, remote_lease_id: int = 0) -> LocalLease:
         placement = slot.location
@@ -442,7 +500,10 @@ class RendezvousAgent:
             self._begin_read(slot.slot_id)
         try:
             out = np.empty(length, dtype=np.uint8)
-            if length:
+            if length and isinstance(placement, _RegionSlot):
+                # never a view into caller memory: copy under the region's gate
+                placement.region.copy_into(placement.offset + start, memoryview(out))
+            elif length:
                 assert isinstance(placement, Placement)
                 source = np.frombuffer(placement.view(), dtype=np.uint8, count=length, offset=start)
                 np.copyto(out, source)
@@ -471,6 +532,91 @@ class RendezvousAgent:
         request = decode(LeaseRenewRequest, data)
         with self._lock:
             self.store.renew(request.handle, request.lease_id, time.monotonic())
+
+    # --- caller-owned regions --------------------------------------------------------
+
+    def region_alloc(self, nbytes: int, pid: int) -> RegionInfo:
+        """Registered memory a local process owns and writes (spec: register_external_memory).
+
+        Raises:
+            BudgetExceeded: the region's pages do not fit ``registered_bytes_budget``.
+            SharedMemoryTooSmall: the shm directory cannot hold it.
+        """
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        with self._lock:
+            self._check_open()
+            arena = ShmArena(self.config.shm_dir, nbytes, self.worker_id)
+            try:
+                region = Region(
+                    arena.address,
+                    nbytes,
+                    self._registrar(),
+                    self.budget,
+                    on_released=arena.close,
+                )
+            except BaseException:
+                arena.close()
+                raise
+            self._regions[region.region_id] = _OwnedRegion(arena, region, pid)
+            self.metrics.registration("external", self.budget.registered_bytes)
+            self._publish_registered()
+            self._ticker.poke()
+            return RegionInfo(region.region_id, arena.path, nbytes, region.effective_range)
+
+    def _registrar(self) -> Any:
+        return self.rdma.registrar if self.rdma is not None else self._noop_registrar
+
+    def _publish_registered(self) -> None:
+        live = sum(1 for r in self._regions.values() if r.region.state.name == "REGISTERED")
+        self.metrics.set_registered(self.budget.registered_bytes, live)
+
+    def region_stage(
+        self, region_id: int, start: int, stop: int, type_header: TypeHeader, ttl: float | None
+    ) -> DataHandle:
+        """Stage ``[start, stop)`` of a region (relative to its pointer) with no copy."""
+        with self._lock:
+            self._check_open()
+            owned = self._regions.get(region_id)
+            if owned is None:
+                raise RegionDeregistered(region=f"#{region_id}")
+            owned.region.check_range(start, stop - start)
+            anchor = owned.region.enter()  # the in-flight guard first, then the state
+            handle = self.store.stage(
+                stop - start,
+                type_header,
+                _RegionSlot(owned.region, anchor, start),
+                kind="region",
+                pinned=self.rdma is not None,
+                now=time.monotonic(),
+                ttl=ttl,
+            )
+            if ttl is not None:
+                self._ticker.poke()
+            return DataHandle(handle.worker_id, handle.slot_id, self.node_id)
+
+    def region_unregister(self, region_id: int, timeout_s: float) -> str:
+        """Gate, drain anchors up to ``timeout_s``, unmap. Returns drained / drain_timed_out."""
+        with self._lock:
+            owned = self._regions.get(region_id)
+        if owned is None:
+            raise RegionDeregistered(region=f"#{region_id}")
+        result = owned.region.deregister(timeout_s)
+        with self._lock:
+            self._regions.pop(region_id, None)
+            now = time.monotonic()
+            for slot in [s for s in self.store.slots() if isinstance(s.location, _RegionSlot)]:
+                if slot.location.region is owned.region:
+                    handle = DataHandle(self.worker_id, slot.slot_id)
+                    self._release_all(self.store.evict(handle, "its region was unregistered"), now)
+            self._publish_registered()
+        return "drain_timed_out" if isinstance(result, DrainTimedOut) else "drained"
+
+    def region_deregistered(self, region_id: int, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` for the region's release signal; True once released."""
+        with self._lock:
+            owned = self._regions.get(region_id)
+        return True if owned is None else owned.region.signal.wait(timeout_s)
 
     # --- routing to owners (consumer side) -------------------------------------------
 
@@ -704,11 +850,17 @@ class RendezvousAgent:
                 if pending.placement is not None:
                     self._free_placement(pending.placement, pending.pinned, now)
             self._reservations.clear()
-            if self.rdma is not None:
-                self.rdma.close()
-                self.rdma = None
+            for owned in list(self._regions.values()):
+                try:
+                    owned.region.deregister(0.0)
+                except RegionDeregistered:
+                    pass  # already deregistering on another thread
+            self._regions.clear()
             self.pinned_pool.close()
             self.plain_pool.close()
+            if self.rdma is not None:  # after every unmap: endpoints and worker go last
+                self.rdma.close()
+                self.rdma = None
         return {"slots": len(freed)}
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 from typing import Any
 
@@ -91,7 +90,10 @@ def ensure_agent(node_id: str, config: VeloConfig | None = None) -> Any:
         name=agent_name(node_id),
         namespace=NAMESPACE,
         get_if_exists=True,
-        lifetime="detached" if os.environ.get("RAY_VELO_DETACHED_AGENTS") else None,
+        # Detached: an agent must not share the fate of whichever process created it (a task
+        # worker Ray may recycle), nor die when that process drops its handle. shutdown()
+        # (or `ray-velo stop`) ends it; with the embedded local cluster, Ray's exit does.
+        lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(config, node_id)
 

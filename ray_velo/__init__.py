@@ -21,6 +21,7 @@ from ray_velo.config import (
     VeloConfig,
 )
 from ray_velo.errors import (
+    AgentDied,
     ConfigError,
     DescriptorError,
     HandleError,
@@ -93,6 +94,7 @@ _LAZY_API = {
 __all__ = sorted(
     _LAZY_API
     | {
+        "AgentDied",
         "ConfigError",
         "DataHandle",
         "DescriptorError",

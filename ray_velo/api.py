@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from ray_velo.actors.directory import (
     load_cluster_config,
 )
 from ray_velo.config import VeloConfig
-from ray_velo.errors import NotInitialized, OwnerDied, StagingError, VeloError
+from ray_velo.errors import AgentDied, NotInitialized, RegionDeregistered, VeloError
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
 from ray_velo.protocol import (
@@ -108,10 +109,7 @@ def _call(ref: Any, timeout_s: float | None = None) -> Any:
         raise _unwrap(exc) from None
     except ray_errors.RayActorError as exc:
         _forget_agent()
-        raise VeloError(
-            "this node's ray_velo agent died; the next call starts a new one (data it "
-            "staged is lost)"
-        ) from exc
+        raise AgentDied() from exc
 
 
 def _forget_agent() -> None:
@@ -131,8 +129,7 @@ def _process() -> _Process:
     with _state_lock:
         if _state is None:
             node_id = ray.get_runtime_context().get_node_id()
-            agent = ensure_agent(node_id)
-            info = ray.get(agent.info.remote())
+            agent, info = _live_agent(node_id)
             _state = _Process(
                 config=load_cluster_config(),
                 node_id=node_id,
@@ -141,6 +138,19 @@ def _process() -> _Process:
                 segments=SegmentMap(),
             )
         return _state
+
+
+def _live_agent(node_id: str, timeout_s: float = 30.0) -> tuple[Any, dict[str, Any]]:
+    """This node's agent, answering; a dead one's name takes a moment to free, so retry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        agent = ensure_agent(node_id)
+        try:
+            return agent, ray.get(agent.info.remote(), timeout=timeout_s)
+        except ray_errors.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
@@ -203,9 +213,16 @@ def shutdown(*, stop_ray: bool | None = None) -> None:
 
 def _stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> DataHandle:
     header, view = as_bytes_view(obj)
-    state = _process()
     nbytes = view.nbytes
-    reservation: Reservation = _call(state.agent.stage_reserve.remote(nbytes, pinned, os.getpid()))
+    try:
+        state = _process()
+        reservation: Reservation = _call(
+            state.agent.stage_reserve.remote(nbytes, pinned, os.getpid())
+        )
+    except AgentDied:
+        # Nothing was staged yet: stage on the node's fresh agent instead.
+        state = _process()
+        reservation = _call(state.agent.stage_reserve.remote(nbytes, pinned, os.getpid()))
     try:
         if nbytes:
             dest = state.segments.view(reservation.path, reservation.offset, nbytes)
@@ -268,7 +285,9 @@ def _lease(handle: DataHandle, mode: str, timeout: float | None) -> LocalLease:
     state = _process()
     bound, which = _fetch_bound(timeout, state.config)
     if handle.worker_id == state.worker_id:
-        return _call(state.agent.local_acquire.remote(handle, os.getpid()))  # type: ignore[no-any-return]
+        return _call(  # type: ignore[no-any-return]
+            state.agent.local_acquire.remote(handle, os.getpid(), mode == "release")
+        )
     wait = None if bound is None else bound + _AGENT_SLACK_S
     return _call(  # type: ignore[no-any-return]
         state.agent.fetch_remote.remote(handle, mode, bound, os.getpid(), which), wait
@@ -506,17 +525,103 @@ def get_into(handle: DataHandle, dest: Any, *, timeout: float | None = None) -> 
 # --- caller-owned regions --------------------------------------------------------------
 
 
-class RegionGuard:  # filled in with the region support of the agent
-    """Caller-owned registered memory (see :func:`alloc_region`)."""
+class _RegionSignal:
+    """``deregistered()``: resolves once the region's memory is released."""
+
+    def __init__(self, agent: Any, region_id: int) -> None:
+        self._agent, self._region_id = agent, region_id
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(_call(self._agent.region_deregistered.remote(self._region_id, timeout)))
+
+    def is_set(self) -> bool:
+        return self.wait(0.0)
+
+
+class RegionWatch:
+    """Observes a region without owning its release (``RegionGuard.watch()``)."""
+
+    def __init__(self, agent: Any, region_id: int, effective_range: tuple[int, int]) -> None:
+        self._signal = _RegionSignal(agent, region_id)
+        self.effective_range = effective_range
+
+    def deregistered(self) -> _RegionSignal:
+        return self._signal
+
+
+class RegionGuard:
+    """Caller-owned registered memory on this node, from :func:`alloc_region`.
+
+    ``array`` is a writable uint8 view: write the payload there, then stage ranges of it
+    with :func:`register_data_in_region` (no copy). Registered memory is remotely readable
+    (and, over UCX, writable) by peers holding its key: a trust decision, see the docs.
+    ``effective_range`` is what was pinned (whole pages).
+    """
+
+    def __init__(self, agent: Any, info: Any, view: memoryview) -> None:
+        self._agent = agent
+        self.region_id: int = info.region_id
+        self.nbytes: int = info.nbytes
+        self.effective_range: tuple[int, int] = info.effective_range
+        self.array = np.frombuffer(view, dtype=np.uint8)
+        self._released = False
+
+    def unregister(self, timeout_s: float = 30.0) -> str:
+        """Gate new use, drain in-flight slots (up to ``timeout_s``), unmap.
+
+        Returns ``"drained"`` or ``"drain_timed_out"``; either way the memory is released.
+        Slots still staged in the region can no longer be read.
+        """
+        if self._released:
+            raise RegionDeregistered(region=f"#{self.region_id}")
+        self._released = True
+        self.array = np.empty(0, dtype=np.uint8)
+        return str(_call(self._agent.region_unregister.remote(self.region_id, timeout_s)))
+
+    def deregistered(self) -> _RegionSignal:
+        return _RegionSignal(self._agent, self.region_id)
+
+    def watch(self) -> RegionWatch:
+        return RegionWatch(self._agent, self.region_id, self.effective_range)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            _log.warning(
+                "ray_velo region #%s dropped without unregister(): deregistering in the "
+                "background",
+                self.region_id,
+            )
+            try:
+                self._agent.region_unregister.remote(self.region_id, 30.0)
+            except Exception:
+                pass
 
 
 def alloc_region(nbytes: int) -> RegionGuard:
-    raise StagingError("alloc_region is not available in this build")
+    """``nbytes`` of registered memory that this process owns and writes.
+
+    Raises:
+        BudgetExceeded: the pages do not fit ``registered_bytes_budget``.
+        SharedMemoryTooSmall: the node's shm directory cannot hold them.
+    """
+    state = _process()
+    info = _call(state.agent.region_alloc.remote(nbytes, os.getpid()))
+    view = state.segments.view(info.path, 0, nbytes)
+    state.segments.unmap(info.path)  # the mapping goes with the guard's last view
+    return RegionGuard(state.agent, info, view)
 
 
-def register_data_in_region(guard: RegionGuard, start: int, stop: int) -> DataHandle:
-    raise StagingError("register_data_in_region is not available in this build")
+def register_data_in_region(
+    guard: RegionGuard, start: int, stop: int, *, ttl: float | None = None
+) -> DataHandle:
+    """Stage bytes ``[start, stop)`` of ``guard``'s memory with no copy.
 
-
-def _owner_died(handle: DataHandle, node: str) -> OwnerDied:
-    return OwnerDied(handle=str(handle), node=node)
+    Raises:
+        RegionDeregistered: the region is being (or was) unregistered.
+        ValueError: the range is outside the region.
+    """
+    if not 0 <= start <= stop <= guard.nbytes:
+        raise ValueError(f"range [{start}, {stop}) outside region of {guard.nbytes} bytes")
+    return _call(  # type: ignore[no-any-return]
+        guard._agent.region_stage.remote(guard.region_id, start, stop, TypeHeader(), ttl)
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AgentDied",
     "BudgetExceeded",
     "ConfigError",
     "DescriptorError",
@@ -272,6 +273,17 @@ class PayloadTooLarge(TransferError):
             f"payload of handle {f.get('handle')} is {f.get('size_bytes')} bytes, over this "
             f"node's staged_payload_max of {f.get('limit_bytes')} bytes; the staged copy was "
             "released. Raise VeloConfig.staged_payload_max or send less"
+        )
+
+
+class AgentDied(VeloError):
+    """This node's own agent died during a call. The next call starts a fresh agent; the
+    payloads the dead one staged are lost."""
+
+    def _describe(self) -> str:
+        return (
+            "this node's ray_velo agent died during the call; the next call starts a new "
+            "one (payloads it had staged are lost, stage them again)"
         )
 
 

@@ -389,6 +389,10 @@ class SlotStore:
         slot.location, slot.kind, slot.pinned = location, kind, pinned
         return old
 
+    def evict(self, handle: DataHandle, why: str) -> FreedSlot:
+        """Free a slot now, with every lease on it (its memory went away, e.g. a region)."""
+        return self._free(self.slot(handle), why)
+
     def clear(self) -> list[FreedSlot]:
         """Free every slot (shutdown). Returns them, for their memory to be released."""
         return [self._free(slot, "its owner shut down") for slot in list(self._slots.values())]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-import cffi
+import cffi  # type: ignore[import-untyped]
 
 MODULE_NAME = "ray_velo.ucx._ucx_binding"
 
@@ -32,7 +32,7 @@ def ucx_prefix() -> str:
         return override
     import libucx
 
-    return os.path.dirname(libucx.__file__)
+    return str(os.path.dirname(libucx.__file__))
 
 
 CDEF = r"""
@@ -144,7 +144,6 @@ ucs_status_t ucp_worker_signal(ucp_worker_h worker);
 
 ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params, ucp_ep_h *ep_p);
 ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_param_t *param);
-ucs_status_ptr_t ucp_ep_flush_nbx(ucp_ep_h ep, const ucp_request_param_t *param);
 
 ucs_status_t ucp_mem_map(ucp_context_h context, const ucp_mem_map_params_t *params,
                          ucp_mem_h *memh_p);
@@ -168,7 +167,6 @@ void rv_cell_store(int *cell, int value);
 ucs_status_ptr_t rv_get_submit(ucp_ep_h ep, void *buffer, size_t length, uint64_t remote_addr,
                                ucp_rkey_h rkey, ucp_mem_h local_memh);
 ucs_status_ptr_t rv_ep_close_submit(ucp_ep_h ep, int force);
-ucs_status_ptr_t rv_ep_flush_submit(ucp_ep_h ep);
 ucs_status_t rv_request_wait(ucp_worker_h worker, ucs_status_ptr_t request, int progress,
                              double timeout_s);
 ucs_status_t rv_progress_loop(ucp_worker_h worker, int *stop, int blocking,
@@ -224,13 +222,6 @@ static ucs_status_ptr_t rv_ep_close_submit(ucp_ep_h ep, int force)
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags        = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     return ucp_ep_close_nbx(ep, &param);
-}
-
-static ucs_status_ptr_t rv_ep_flush_submit(ucp_ep_h ep)
-{
-    ucp_request_param_t param;
-    param.op_attr_mask = 0;
-    return ucp_ep_flush_nbx(ep, &param);
 }
 
 static double rv_now_s(void)
@@ -376,9 +367,10 @@ def build_in_place() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     for stale in glob.glob(os.path.join(here, "_ucx_binding*.so")):
         os.remove(stale)
+    # The same file name that `pip install -e .` gives it (cffi's C is limited-API code).
+    dest = os.path.join(here, "_ucx_binding.abi3.so")
     with tempfile.TemporaryDirectory(prefix="ray_velo_cffi_") as tmp:
         built = ffibuilder.compile(tmpdir=tmp, verbose=False)
-        dest = os.path.join(here, os.path.basename(built))
         shutil.copyfile(built, dest)
     return dest
 

@@ -43,7 +43,14 @@ from types import TracebackType
 from typing import Any, Final
 
 from ray_velo.errors import ConfigError, UcxError
-from ray_velo.ucx.loader import Binding, check_status, load_binding, status_text, ucx_version
+from ray_velo.ucx.loader import (
+    Binding,
+    check_status,
+    forked_after_load,
+    load_binding,
+    status_text,
+    ucx_version,
+)
 from ray_velo.ucx.rkey import PACKED_RKEY_MAX_BYTES, check_packed_rkey, parse_packed_rkey
 from ray_velo.ucx.status import UcsStatus
 
@@ -60,7 +67,7 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEFAULT_CLOSE_TIMEOUT_S: Final = 5.0
-"""Bound on each wait inside a ``close()`` (in-flight GETs, endpoint flush, endpoint close)."""
+"""Bound on each wait inside a ``close()`` (GETs still in flight, a progress thread stopping)."""
 
 ABORT_GRACE_S: Final = 5.0
 """How long a force-closed endpoint's requests get to complete with ``UCS_ERR_CANCELED``."""
@@ -86,6 +93,15 @@ def _leak(obj: object, what: str) -> None:
     with _leaked_lock:
         _leaked.append(obj)
     _log.error("ray_velo.ucx: %s; its UCX state is leaked on purpose", what)
+
+
+def _check_not_forked(operation: str) -> None:
+    if forked_after_load():
+        raise UcxError(
+            operation=operation,
+            status=int(UcsStatus.ERR_UNSUPPORTED),
+            status_text="UCX was loaded before this process forked; use the spawn start method",
+        )
 
 
 def _closed_error(operation: str, what: str) -> UcxError:
@@ -141,6 +157,7 @@ class _Node:
     _kind = "object"
 
     def __init__(self) -> None:
+        _check_not_forked(f"create {self._kind}")
         self._lock = threading.Lock()
         self._open = True
         self._closing = False
@@ -180,6 +197,10 @@ class _Node:
                 return
             self._closing = True
             children = list(self._children.values())
+            if forked_after_load():
+                # A forked copy: the UCX state belongs to the parent. Touch nothing.
+                self._open = False
+                return
         first: UcxError | None = None
         for child in self._children_in_close_order(children):
             try:
@@ -235,9 +256,9 @@ class UcxContext(_Node):
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         super().__init__()
+        self.options: dict[str, str] = _normalize_options(options or {})
         self._b: Binding = load_binding()
         ffi, lib = self._b
-        self.options: dict[str, str] = _normalize_options(options or {})
         self.version: tuple[int, int, int] = ucx_version()
 
         config_p = ffi.new("ucp_config_t **")
@@ -258,7 +279,6 @@ class UcxContext(_Node):
         finally:
             lib.ucp_config_release(config_p[0])
         self._handle: Any = context_p[0]
-        self._leaked = False
 
     def _children_in_close_order(self, children: list[_Node]) -> list[_Node]:
         # Regions before endpoints (spec, shutdown ordering), newest first within each kind.
@@ -268,11 +288,9 @@ class UcxContext(_Node):
 
     def _release(self) -> None:
         with self._lock:
-            leaked = self._leaked or any(
-                isinstance(c, UcxWorker) and c._leaked for c in self._children.values()
-            )
+            leaked = any(isinstance(c, UcxWorker) and c._leaked for c in self._children.values())
         if leaked:
-            _leak(self._handle, "a worker of this UCX context could not be destroyed")
+            _leak(self, "a worker of this UCX context could not be destroyed")
             raise UcxError(
                 operation="ucp_cleanup",
                 status=int(UcsStatus.ERR_BUSY),
@@ -396,7 +414,7 @@ class UcxWorker(_Node):
 
     def signal(self) -> None:
         """Wake the progress thread (``ucp_worker_signal``); safe from any thread."""
-        if self.closed:
+        if self.closed or forked_after_load():
             return
         check_status(self._b.lib.ucp_worker_signal(self._handle), "ucp_worker_signal")
 
@@ -406,6 +424,7 @@ class UcxWorker(_Node):
         Raises:
             UcxError: the worker is closed.
         """
+        _check_not_forked("ucp_worker_progress")
         if self.closed:
             raise _closed_error("ucp_worker_progress", self._kind)
         return int(self._b.lib.ucp_worker_progress(self._handle))
@@ -424,7 +443,7 @@ class UcxWorker(_Node):
         # peer-side close handshake over tcp can progress; only then is the thread stopped.
         if not self._stop_progress_thread(DEFAULT_CLOSE_TIMEOUT_S):
             self._leaked = True
-            _leak(self._handle, "the UCX progress thread did not stop")
+            _leak(self, "the UCX progress thread did not stop")  # with its endpoints' error cells
             raise UcxError(
                 operation="ucp_worker_destroy",
                 status=int(UcsStatus.ERR_BUSY),
@@ -529,22 +548,16 @@ class Endpoint(_Node):
             self._ucp_closed = True
         self._record_error(status)
         _log.warning("ray_velo.ucx: force-closing endpoint: %s", why)
-        self._close_ucp(force=True)
+        self._close_ucp()
 
-    def _close_ucp(self, *, force: bool) -> None:
+    def _close_ucp(self) -> None:
+        # Always FORCE (legal in PEER mode). Nothing is left to flush: get() returns only once
+        # its request completed and close() drains in-flight GETs first, while a graceful
+        # close (or a flush) waits on the peer and cannot be bounded: a dead peer would cost
+        # the full timeout per endpoint at shutdown.
         lib = self._b.lib
-        worker = self.worker._handle
-        if not force:
-            status = int(
-                lib.rv_request_wait(worker, lib.rv_ep_flush_submit(self._handle), 1, DEFAULT_CLOSE_TIMEOUT_S)
-            )
-            if status != UcsStatus.OK:
-                # A flush waits for the peer; a dead or idle peer never answers.
-                _log.info("ray_velo.ucx: endpoint flush ended with %s", status_text(status))
-        # Always FORCE (legal in PEER mode): a non-force close waits for the peer and cannot
-        # be given a timeout; after a flush there is nothing left for it to complete.
         request = lib.rv_ep_close_submit(self._handle, 1)
-        status = int(lib.rv_request_wait(worker, request, 1, ABORT_GRACE_S))
+        status = int(lib.rv_request_wait(self.worker._handle, request, 1, ABORT_GRACE_S))
         if status == UcsStatus.ERR_TIMED_OUT:
             _leak((self._error_cell, request), "an endpoint close did not complete")
             raise UcxError(
@@ -565,7 +578,7 @@ class Endpoint(_Node):
             if self._ucp_closed:
                 return
             self._ucp_closed = True
-        self._close_ucp(force=self.error_status != UcsStatus.OK)
+        self._close_ucp()
 
     def _detach_from_parent(self) -> None:
         self.worker._forget(self)
@@ -848,6 +861,7 @@ def get(
             ``ABORT_GRACE_S``, the destination may yet be written: do not reuse it.
     """
     operation = "ucp_get_nbx"
+    _check_not_forked(operation)
     _check_u64(operation, "local_addr", local_addr)
     _check_u64(operation, "remote_addr", remote_addr)
     if not isinstance(nbytes, int) or nbytes < 0:
@@ -930,4 +944,3 @@ def _post_and_wait(
             ),
         )
     check_status(status, "ucp_get_nbx")
-

@@ -31,6 +31,7 @@ __all__ = [
     "MIN_UCX_VERSION",
     "Binding",
     "check_status",
+    "forked_after_load",
     "load_binding",
     "status_text",
     "ucx_available",
@@ -75,6 +76,22 @@ class Binding(NamedTuple):
 _lock = threading.Lock()
 _binding: Binding | None = None
 _failure: str | None = None
+_forked_after_load = False
+
+
+def _after_fork_in_child() -> None:
+    # UCX state copied by fork() (threads gone, sockets shared with the parent) is unusable.
+    global _forked_after_load
+    if _binding is not None:
+        _forked_after_load = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def forked_after_load() -> bool:
+    """True in a child forked from a process that had loaded UCX: UCX must not be touched."""
+    return _forked_after_load
 
 
 def _load_locked() -> Binding:
@@ -134,7 +151,9 @@ def _load_locked() -> Binding:
 
 def _unavailable(why: str) -> UcxError:
     return UcxError(
-        operation="load", status=int(UcsStatus.ERR_UNSUPPORTED), status_text=f"UCX unavailable: {why}"
+        operation="load",
+        status=int(UcsStatus.ERR_UNSUPPORTED),
+        status_text=f"UCX unavailable: {why}",
     )
 
 
@@ -153,6 +172,10 @@ def load_binding() -> Binding:
             extension cannot be loaded, or the runtime is older than ``MIN_UCX_VERSION``.
             The failure is remembered: a process does not retry.
     """
+    if _forked_after_load:
+        raise _unavailable(
+            "this process was forked after UCX was loaded; start workers with the spawn method"
+        )
     binding = _binding
     if binding is not None:
         return binding

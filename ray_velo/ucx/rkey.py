@@ -102,7 +102,9 @@ def parse_packed_rkey(
         raise _refuse(f"mem_type {mem_type} is not host memory ({UCS_MEMORY_TYPE_HOST})")
     md_count = md_map.bit_count()
     if md_count > MAX_MD_MAP_BITS:
-        raise _refuse(f"md_map {md_map:#018x} names {md_count} memory domains (> {MAX_MD_MAP_BITS})")
+        raise _refuse(
+            f"md_map {md_map:#018x} names {md_count} memory domains (> {MAX_MD_MAP_BITS})"
+        )
 
     # Stage 1: one (size, body) per set bit of md_map, driven by md_map, not by the length.
     pos = HEADER_BYTES

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ucx_peers
 
 from ray_velo.ucx.status import UcsStatus
+
+from . import ucx_peers
 
 pytestmark = pytest.mark.ucx
 
@@ -46,16 +47,26 @@ def _receive(conn: Any, timeout_s: float) -> dict[str, Any]:
 
 
 def run_pair(
-    env: dict[str, str], kind: str, nbytes: int, scenario: str, arg: Any, *, owner_progress: bool = True
+    env: dict[str, str],
+    kind: str,
+    nbytes: int,
+    scenario: str,
+    arg: Any,
+    *,
+    owner_progress: bool = True,
 ) -> tuple[dict[str, Any], int | None, int | None]:
     """Start an owner and a consumer joined by a Pipe; (consumer result, owner rc, consumer rc)."""
     owner_end, consumer_end = SPAWN.Pipe()
     results_r, results_w = SPAWN.Pipe(duplex=False)
     owner = SPAWN.Process(
-        target=ucx_peers.owner_main, args=(owner_end, env, kind, nbytes, owner_progress), daemon=True
+        target=ucx_peers.owner_main,
+        args=(owner_end, env, kind, nbytes, owner_progress),
+        daemon=True,
     )
     consumer = SPAWN.Process(
-        target=ucx_peers.run_consumer, args=(consumer_end, results_w, env, scenario, arg), daemon=True
+        target=ucx_peers.run_consumer,
+        args=(consumer_end, results_w, env, scenario, arg),
+        daemon=True,
     )
     owner.start()
     consumer.start()
@@ -99,7 +110,9 @@ def _no_exception(result: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("tls", ["cma,tcp", "tcp"])
 @pytest.mark.parametrize("source", ["numpy", "devshm"])
-def test_consumer_gets_owner_buffer(tls: str, source: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_consumer_gets_owner_buffer(
+    tls: str, source: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An owner process stages 64 MiB (a numpy array, or an mmap of a /dev/shm file as the
     arenas are) and sends worker address, address, length, packed key and crc32 over a pipe;
     a consumer process in another address space GETs all of it into a registered buffer over
@@ -126,7 +139,9 @@ def test_stale_key_after_owner_freed_memory_cma() -> None:
     (what a lease bug would do). Over cma, with PEER error mode + RNDV_THRESH=inf + the C error
     callback, the consumer's GET fails with UCS_ERR_IO_ERROR and the endpoint is marked
     failed; neither process crashes (without those settings the consumer aborts)."""
-    result, owner_rc, consumer_rc = run_pair({"UCX_TLS": "cma,tcp"}, "anon", 4 * MiB, "stale", "unmap_free")
+    result, owner_rc, consumer_rc = run_pair(
+        {"UCX_TLS": "cma,tcp"}, "anon", 4 * MiB, "stale", "unmap_free"
+    )
     _no_exception(result)
     assert result["first_ok"] and result["owner_ack"] == "ok"
     assert result["stale_get"] == "error", result
@@ -142,7 +157,9 @@ def test_stale_key_after_unmap_memory_still_allocated(tls: str) -> None:
     Unmap revokes nothing on tcp or cma: the consumer's GET either returns the live bytes or
     fails with a UcxError, and both processes stay up. (Over tcp the owner must not free the
     pages: its software-emulated GET would then segfault the owner, research/ucx.md §8.)"""
-    result, owner_rc, consumer_rc = run_pair({"UCX_TLS": tls}, "numpy", 4 * MiB, "stale", "unmap_keep")
+    result, owner_rc, consumer_rc = run_pair(
+        {"UCX_TLS": tls}, "numpy", 4 * MiB, "stale", "unmap_keep"
+    )
     _no_exception(result)
     assert result["first_ok"] and result["owner_ack"] == "ok"
     if result["stale_get"] == "ok":
@@ -206,7 +223,9 @@ def test_close_cascades_in_order_and_is_idempotent() -> None:
     open: closing the context closes them all (registrations, then worker -> endpoint -> key),
     twice is harmless, the registration held the mmap open until its unmap was confirmed, and
     every later use of a closed object is a UcxError instead of a crash. Options that would
-    break PEER error handling (RNDV_THRESH) or that UCX silently ignores (MEM_*) are refused."""
+    break PEER error handling (RNDV_THRESH) or that UCX silently ignores (MEM_*) are refused.
+    Finally, as a fork()ed copy of the process would: close() leaves the parent's UCX state
+    alone and every new use is refused (simulated with the at-fork hook; no real fork)."""
     result, rc = run_single(ucx_peers.single_lifecycle, {"UCX_TLS": "cma,tcp"})
     _no_exception(result)
     assert result["config {'RNDV_THRESH': '8192'}"] == "ConfigError"
@@ -218,7 +237,28 @@ def test_close_cascades_in_order_and_is_idempotent() -> None:
     assert result["closed"] == [True] * 5
     assert result["thread_stopped"]
     assert result["mmap_close_after_unmap"]
-    for name in ("worker_on_closed_ctx", "reg_on_closed_ctx", "ep_on_closed_worker", "rkey_on_closed_ep"):
+    for name in (
+        "worker_on_closed_ctx",
+        "reg_on_closed_ctx",
+        "ep_on_closed_worker",
+        "rkey_on_closed_ep",
+    ):
         assert result[name] == UcsStatus.ERR_INVALID_PARAM, (name, result[name])
     assert result["readonly_buffer"] == UcsStatus.ERR_INVALID_PARAM
+    assert result["fork_close_touched_nothing"]
+    assert result["fork_new_context"] == UcsStatus.ERR_UNSUPPORTED
+    assert result["fork_get"] == UcsStatus.ERR_UNSUPPORTED
+    assert rc == 0
+
+
+@pytest.mark.parametrize("tls", ["cma,tcp", "tcp"])
+def test_concurrent_gets_from_several_threads(tls: str) -> None:
+    """The consumer agent serves several fetches at once: 4 threads each post 100 GETs of
+    64 KiB at random offsets on one MULTI worker while its blocking progress thread runs
+    (SINGLE mode aborted in UCX's arbiter here, research/ucx.md §7). Every GET completes in
+    time with the right bytes."""
+    result, rc = run_single(ucx_peers.single_concurrent, {"UCX_TLS": tls}, 4, 100)
+    _no_exception(result)
+    assert result["errors"] == [] and result["stuck_threads"] == 0
+    assert result["done"] == 400
     assert rc == 0

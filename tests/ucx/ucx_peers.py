@@ -74,7 +74,9 @@ class _Buffer:
             self.path = None
 
 
-def owner_main(conn: Connection, env: dict[str, str], kind: str, nbytes: int, progress: bool) -> None:
+def owner_main(
+    conn: Connection, env: dict[str, str], kind: str, nbytes: int, progress: bool
+) -> None:
     """Owner: map a buffer, publish (worker address, addr, len, packed rkey, crc32), serve."""
     os.environ.update(env)
     from ray_velo.ucx import MemoryRegistration, UcxContext, UcxWorker
@@ -134,7 +136,7 @@ def consumer_get(owner: Connection, dest_kind: str) -> dict[str, Any]:
 
     info = owner.recv()
     nbytes = info["nbytes"]
-    ctx, worker, ep, rkey = _consumer_objects(info)
+    ctx, _worker, ep, rkey = _consumer_objects(info)
     dest = _Buffer(dest_kind, nbytes)
     dest.view[:] = 0
     dreg = MemoryRegistration(ctx, dest.obj)
@@ -178,7 +180,7 @@ def consumer_stale(owner: Connection, how: str) -> dict[str, Any]:
     from ray_velo.ucx import get
 
     info = owner.recv()
-    ctx, worker, ep, rkey = _consumer_objects(info)
+    ctx, _worker, ep, rkey = _consumer_objects(info)
     dest = np.zeros(MiB, dtype=np.uint8)
     get(ep, int(dest.ctypes.data), MiB, info["addr"], rkey, 10.0)
     result: dict[str, Any] = {"first_ok": bool((dest == _pattern(MiB)).all())}
@@ -189,7 +191,11 @@ def consumer_stale(owner: Connection, how: str) -> dict[str, Any]:
         get(ep, int(dest.ctypes.data), MiB, info["addr"], rkey, 5.0)
         result["stale_get"] = "ok"
         result["stale_data"] = (
-            "rewritten" if (dest == 0xAB).all() else "old" if (dest == _pattern(MiB)).all() else "other"
+            "rewritten"
+            if (dest == 0xAB).all()
+            else "old"
+            if (dest == _pattern(MiB)).all()
+            else "other"
         )
     except UcxError as exc:
         result["stale_get"] = "error"
@@ -213,7 +219,7 @@ def consumer_timeout(owner: Connection, timeout_s: float) -> dict[str, Any]:
     from ray_velo.ucx import get
 
     info = owner.recv()
-    ctx, worker, ep, rkey = _consumer_objects(info)
+    ctx, _worker, ep, rkey = _consumer_objects(info)
     dest = np.zeros(MiB, dtype=np.uint8)
     t0 = time.perf_counter()
     result: dict[str, Any] = {}
@@ -280,7 +286,7 @@ def single_preparse(results: Connection, env: dict[str, str]) -> None:
         from ray_velo.errors import DescriptorError
         from ray_velo.ucx import RemoteKey, get
 
-        ctx, worker, ep, reg, src = _loopback(env)
+        ctx, _worker, ep, reg, src = _loopback(env)
         good = reg.packed_rkey
         cases = {
             "truncated_5": good[:5],
@@ -416,6 +422,79 @@ def single_lifecycle(results: Connection, env: dict[str, str]) -> None:
                 out["readonly_buffer"] = "mapped"
             except UcxError as exc:
                 out["readonly_buffer"] = exc.fields["status"]
+        # Last, as it poisons this process: what a fork()ed copy of a UCX process may do.
+        from ray_velo.ucx import loader
+
+        survivor = UcxContext()
+        survivor_worker = UcxWorker(survivor)
+        loader._after_fork_in_child()  # what os.register_at_fork runs in a forked child
+        survivor.close()  # must not touch UCX state that belongs to the parent
+        out["fork_close_touched_nothing"] = (
+            survivor.closed and survivor_worker.progress_thread_alive
+        )
+        for name, call in (
+            ("fork_new_context", lambda: UcxContext()),
+            ("fork_get", lambda: get(ep, int(dest.ctypes.data), 8, reg.address, rkey2, 1.0)),
+        ):
+            try:
+                call()
+                out[name] = "ran"
+            except UcxError as exc:
+                out[name] = exc.fields["status"]
+    except BaseException as exc:
+        out = {"exception": repr(exc), "traceback": traceback.format_exc()}
+    results.send(out)
+
+
+def single_concurrent(results: Connection, env: dict[str, str], threads: int, gets: int) -> None:
+    """Several threads GET at once on one MULTI worker beside its progress thread."""
+    try:
+        import random
+        import threading
+
+        import numpy as np
+
+        os.environ.update(env)
+        from ray_velo.ucx import Endpoint, MemoryRegistration, RemoteKey, UcxContext, UcxWorker, get
+
+        ctx = UcxContext()
+        worker = UcxWorker(ctx)
+        src = _pattern(16 * MiB).copy()
+        reg = MemoryRegistration(ctx, src)
+        ep = Endpoint(worker, worker.address)
+        rkey = RemoteKey(ep, reg.packed_rkey)
+        chunk = 64 * 1024
+        errors: list[str] = []
+        done = [0] * threads
+
+        def issue(index: int) -> None:
+            rnd = random.Random(index)
+            dest = np.zeros(chunk, dtype=np.uint8)
+            for _ in range(gets):
+                off = rnd.randrange(0, src.nbytes - chunk, 8)
+                try:
+                    get(ep, int(dest.ctypes.data), chunk, reg.address + off, rkey, 20.0)
+                except Exception as exc:
+                    errors.append(repr(exc))
+                    return
+                if not np.array_equal(dest, src[off : off + chunk]):
+                    errors.append(f"thread {index}: wrong bytes at offset {off}")
+                done[index] += 1
+
+        t0 = time.perf_counter()
+        pool = [threading.Thread(target=issue, args=(i,)) for i in range(threads)]
+        for thread in pool:
+            thread.start()
+        for thread in pool:
+            thread.join(30)
+        elapsed = time.perf_counter() - t0
+        out: dict[str, Any] = {
+            "done": sum(done),
+            "errors": errors[:5],
+            "elapsed_s": elapsed,
+            "stuck_threads": sum(t.is_alive() for t in pool),
+        }
+        ctx.close()
     except BaseException as exc:
         out = {"exception": repr(exc), "traceback": traceback.format_exc()}
     results.send(out)

@@ -1,0 +1,113 @@
+"""Faults on a real two-node cluster: dead owners, stalled owners, regions torn down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+
+import numpy as np
+import pytest
+import ray
+
+import ray_velo as rv
+from ray_velo.actors import ensure_agent
+from ray_velo.config import MiB
+from tests.on_ray.conftest import agent_info, node_ids
+
+pytestmark = [pytest.mark.ray, pytest.mark.multinode]
+
+ON_B = {"resources": {"node_b": 1}, "num_cpus": 0}
+
+
+@ray.remote(**ON_B)
+def fetch_crc_on_b(handle: rv.DataHandle, timeout: float | None = None) -> int:
+    data = rv.fetch(handle, timeout=timeout)
+    return zlib.crc32(data if isinstance(data, bytes) else np.ascontiguousarray(data))
+
+
+def test_stalled_owner_times_out_within_the_callers_bound(velo: None) -> None:
+    """The owner's agent stops answering (SIGSTOP): the fetch fails with TransferTimeout
+    naming the bound, close to it, and works again once the owner resumes."""
+    handle = rv.put(np.arange(MiB, dtype=np.uint8))
+    rv.ref_handle(handle)
+    owner_pid = agent_info("node_a")["pid"]
+    os.kill(owner_pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(rv.TransferTimeout) as info:
+            ray.get(fetch_crc_on_b.remote(handle, timeout=1.0))
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(owner_pid, signal.SIGCONT)
+    assert "1.0 s" in str(info.value) and "caller timeout" in str(info.value)
+    assert elapsed < 8.0
+    # the abandoned fetch's chunked lease expires on the owner (it asked for lease_ms);
+    # the second reference still reads the payload
+    assert ray.get(fetch_crc_on_b.remote(handle)) == zlib.crc32(np.arange(MiB, dtype=np.uint8))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            rv.metadata(handle)
+        except rv.HandleNotFound:
+            break
+        time.sleep(0.1)
+    with pytest.raises(rv.HandleNotFound):
+        rv.metadata(handle)
+
+
+def test_caller_owned_region_stages_without_copy_and_drains(velo: None) -> None:
+    """register_data_in_region: consumers read the range; unregister waits for live slots
+    up to its timeout, then releases the memory."""
+    guard = rv.alloc_region(3 * MiB)
+    guard.array[:] = np.arange(3 * MiB, dtype=np.uint64).astype(np.uint8)
+    handle = rv.register_data_in_region(guard, MiB, 2 * MiB + 5)
+    expected = zlib.crc32(guard.array[MiB : 2 * MiB + 5].tobytes())
+    assert rv.metadata(handle).size == MiB + 5
+    rv.ref_handle(handle)
+    assert ray.get(fetch_crc_on_b.remote(handle)) == expected
+    local = rv.fetch(handle, release=False)  # same node: a copy, never the caller's memory
+    assert zlib.crc32(np.ascontiguousarray(local)) == expected
+    local[0:1]  # noqa: B018 - still readable
+    del local
+    started = time.monotonic()
+    assert guard.unregister(timeout_s=0.3) == "drain_timed_out"  # one reference still staged
+    assert time.monotonic() - started >= 0.3
+    assert guard.deregistered().wait(5.0)
+    with pytest.raises(rv.HandleNotFound, match="region was unregistered"):
+        ray.get(fetch_crc_on_b.remote(handle))
+
+
+def test_region_without_slots_drains_at_once(velo: None) -> None:
+    guard = rv.alloc_region(MiB)
+    handle = rv.register_data_in_region(guard, 0, 100)
+    assert ray.get(fetch_crc_on_b.remote(handle)) == zlib.crc32(bytes(100))
+    assert guard.unregister(timeout_s=5.0) == "drained"
+    with pytest.raises(rv.RegionDeregistered):
+        rv.register_data_in_region(guard, 0, 10)
+
+
+def test_owner_killed_mid_pull_gives_owner_died_and_consumer_keeps_serving(velo: None) -> None:
+    """The owner's agent dies while node b pulls: OwnerDied naming the node, within the
+    bound; node b's agent keeps serving, and node a gets a fresh agent on next use."""
+    node_a = node_ids()["node_a"]
+    handle = rv.put(np.ones(90 * MiB, dtype=np.uint8))
+    used_before = agent_info("node_b")["plain_used_bytes"]
+    ref = fetch_crc_on_b.remote(handle, timeout=60.0)
+    deadline = time.monotonic() + 30
+    while agent_info("node_b")["plain_used_bytes"] == used_before:  # the pull has begun
+        assert time.monotonic() < deadline, "the fetch never started"
+        time.sleep(0.005)
+    os.kill(agent_info("node_a")["pid"], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(rv.OwnerDied) as info:
+        ray.get(ref)
+    assert time.monotonic() - started < 30
+    assert node_a in str(info.value)
+    # node b's agent is alive and freed the half-filled copy
+    assert agent_info("node_b")["plain_used_bytes"] == used_before
+    # node a: the driver's next put stages on a fresh agent; everything works again
+    payload = np.arange(2 * MiB, dtype=np.uint8)
+    assert ray.get(fetch_crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)
+    assert ensure_agent(node_a) is not None
