@@ -32,7 +32,9 @@ import numpy as np
 from ray_velo import metrics
 from ray_velo.config import RdmaPoolConfig, VeloConfig
 from ray_velo.errors import (
+    DescriptorError,
     HandleNotFound,
+    UcxError,
     RegionDeregistered,
     OwnerDied,
     PayloadTooLarge,
@@ -52,6 +54,7 @@ from ray_velo.protocol import (
     MetadataResponse,
     OwnerFacts,
     PullRequest,
+    Rdma,
     Ready,
     RefRequest,
     ReleaseRequest,
@@ -66,6 +69,8 @@ from ray_velo.protocol import (
 from ray_velo.store import FreedSlot, Slot, SlotKind, SlotStore
 from ray_velo.actors.ticker import Ticker
 from ray_velo.transfer import Deadline, call_owner, pull_chunks
+from ray_velo.ucx.backend import UcxRdmaBackend
+from ray_velo.ucx.loader import ucx_available
 
 __all__ = ["LocalLease", "RendezvousAgent", "Reservation"]
 
@@ -73,6 +78,8 @@ _log = logging.getLogger(__name__)
 
 #: How often the agent checks that local readers are still alive, while any exist (s).
 LIVENESS_INTERVAL_S = 1.0
+#: Floor of the consumer's RDMA lease renewal period (spec: 5 ms).
+RENEW_FLOOR_S = 0.005
 #: Upper bound on one ``plain`` arena of the unregistered pool (bytes).
 _PLAIN_MAX_ARENA = 1 << 30
 
@@ -147,6 +154,52 @@ class _Pending:
     pid: int
 
 
+class _LeaseRenewal:
+    """Renews an RDMA lease every lease_timeout / 2 (at least 5 ms) while a GET runs.
+
+    Renewals are fire-and-forget: a lost one is harmless, the next is half a deadline away.
+    A lease_timeout_ms of 0 means the owner set no deadline: no ticker at all.
+    """
+
+    def __init__(self, owner: Any, handle: DataHandle, lease_id: int, lease_timeout_ms: int):
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if lease_timeout_ms <= 0:
+            return
+        period = max(lease_timeout_ms / 2000, RENEW_FLOOR_S)
+        message = encode(LeaseRenewRequest(handle, lease_id))
+
+        def run() -> None:
+            while not self._stop.wait(period):
+                try:
+                    owner._rv_lease_renew.remote(message)
+                except Exception:  # the owner may be gone; the GET will say so
+                    return
+
+        self._thread = threading.Thread(target=run, name="ray_velo-lease-renewal", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+
+def _start_rdma(config: VeloConfig) -> UcxRdmaBackend | None:
+    """The agent's UCX backend, or None (logged) when UCX is off or cannot load."""
+    if not config.rdma.ucx.enabled:
+        return None
+    available, why = ucx_available()
+    if not available:
+        _log.warning("ray_velo: UCX unavailable (%s); this node serves the chunked path only", why)
+        return None
+    try:
+        return UcxRdmaBackend(config.rdma.ucx)
+    except VeloError:
+        _log.warning("ray_velo: UCX failed to start; chunked path only", exc_info=True)
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -171,13 +224,14 @@ class RendezvousAgent:
         for path in remove_stale_segments(config.shm_dir):
             _log.warning("removed shared-memory segment %s of a crashed ray_velo agent", path)
         self.budget = RegistrationBudget(config.rdma.pool.registered_bytes_budget)
-        self.rdma: Any = None  # the RDMA backend, when UCX is up (see ray_velo.ucx)
         self._noop_registrar = NoopRegistrar()
+        #: The RDMA registry (UCX), or None: the chunked path only (reason not_configured).
+        self.rdma: UcxRdmaBackend | None = _start_rdma(config)
         self.pinned_pool = ArenaPool(
             config.rdma.pool,
             config.shm_dir,
             self.worker_id,
-            registrar=self._noop_registrar,
+            registrar=self.rdma.registrar if self.rdma is not None else self._noop_registrar,
             budget=self.budget,
             prefault=False,
         )
@@ -204,6 +258,7 @@ class RendezvousAgent:
         self._copy_of: dict[int, DataHandle] = {}  # local slot id -> remote handle
         self._peers: dict[str, Any] = {}
         self._regions: dict[int, _OwnedRegion] = {}
+        self._arena_registrations_seen = 0
         self._closed = False
         self.metrics = metrics.AgentMetrics(node_id)
         self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{self.worker_id:016x}")
@@ -247,6 +302,7 @@ class RendezvousAgent:
                 self.metrics.path("chunked", "kill_switch")
             elif self.rdma is not None:
                 got = self.pinned_pool.allocate(nbytes, now)
+                self._sync_registrations()
                 if isinstance(got, Placement):
                     return got, "dedicated" if got.dedicated else "pooled", True
                 assert isinstance(got, Fallback)
@@ -259,6 +315,15 @@ class RendezvousAgent:
                 f"{got.reason} (is {self.config.shm_dir} full?)"
             )
         return got, "dedicated" if got.dedicated else "plain", False
+
+    def _sync_registrations(self) -> None:
+        """Export arena registrations the pool made since the last look (off the hot path:
+        a registration is an arena mapping, not a transfer)."""
+        total = self.pinned_pool.registrations_total.get("arena", 0)
+        while self._arena_registrations_seen < total:
+            self._arena_registrations_seen += 1
+            self.metrics.registration("arena", self.budget.registered_bytes)
+        self.metrics.set_registered(self.budget.registered_bytes)
 
     def _release_memory(self, freed: FreedSlot, now: float) -> None:
         """Return a freed slot's memory to its pool, unless a copy still reads it."""
@@ -443,8 +508,6 @@ class RendezvousAgent:
                     request.handle, now, kind="rdma", timeout=rendezvous.lease_timeout
                 )
                 self._ticker.poke()
-                from ray_velo.protocol import Rdma
-
                 return encode(
                     Rdma(
                         lease.lease_id,
@@ -477,10 +540,20 @@ class RendezvousAgent:
             )
 
     def _descriptor(self, slot: Slot) -> bytes | None:
-        if self.rdma is None or not isinstance(slot.location, Placement):
+        """Check 8: the staging still exists (registered) and the descriptor encodes."""
+        if self.rdma is None:
             return None
-        result: bytes | None = self.rdma.descriptor(slot.location, slot.total_len)
-        return result
+        location = slot.location
+        if isinstance(location, Placement):
+            return self.rdma.descriptor(location.registration, location.address, slot.total_len)
+        if isinstance(location, _RegionSlot):
+            region = location.region
+            if region.state.name != "REGISTERED":
+                return None
+            return self.rdma.descriptor(
+                region.registration, region.address + location.offset, slot.total_len
+            )
+        return None
 
     def _rv_pull(self, data: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """One chunk, copied out (the copy runs outside the lock, the memory held)."""
@@ -662,6 +735,33 @@ class RendezvousAgent:
                 self._peers.pop(node, None)
             raise
 
+    def ucx_address(self) -> bytes | None:
+        """This agent's UCX worker address (None without UCX), for peers to wire up."""
+        return None if self.rdma is None else self.rdma.address
+
+    def register_peers(self, addresses: dict[str, bytes | None]) -> int:
+        """Learn peer agents' worker addresses (node id -> address). Returns how many."""
+        if self.rdma is None:
+            return 0
+        count = 0
+        for node, address in addresses.items():
+            if node != self.node_id and address:
+                self.rdma.register_peer(node, address)
+                count += 1
+        return count
+
+    def _learn_peer(self, actor: Any, node: str, deadline: Deadline) -> None:
+        """Cold start: after a first (chunked) fetch from an unknown owner, register it so
+        later fetches offer RDMA."""
+        if self.rdma is None or self.rdma.peer_registered(node):
+            return
+        try:
+            address = call_owner(actor.ucx_address.remote(), deadline, DataHandle(1, 1), node)
+        except VeloError:
+            return
+        if address:
+            self.rdma.register_peer(node, address)
+
     # --- fetching from other nodes (consumer side) -----------------------------------
 
     def fetch_remote(
@@ -751,23 +851,47 @@ class RendezvousAgent:
             raise
         path = "chunked"
         try:
-            if isinstance(answer, Ready):
-                if placement is not None:
-                    pull_chunks(
-                        actor,
+            if isinstance(answer, Rdma):
+                if request.rdma is None:
+                    raise ProtocolError(
+                        f"owner on node {node} answered RDMA to an acquire with no offer"
+                    )
+                reason = self._rdma_get(actor, node, handle, answer, placement, pinned, deadline)
+                if reason is None:
+                    path = "rdma"
+                else:
+                    # Fallback, exactly once: detach, acquire with no offer, pull chunks.
+                    self.metrics.path("chunked", reason)
+                    call_owner(
+                        actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id))),
+                        deadline,
                         handle,
                         node,
-                        answer.transfer_id,
-                        answer.chunk_size,
-                        answer.chunk_count,
-                        answer.total_len,
-                        placement.view(),
-                        self.config.pulls_in_flight,
-                        deadline,
                     )
-            else:
-                raise ProtocolError(
-                    f"owner {node} answered RDMA, which this agent cannot use yet"
+                    retry = AcquireRequest(
+                        handle, rdma=None, lease_ms=deadline.budget_ms(), budget_ms=deadline.budget_ms()
+                    )
+                    answer = decode_acquire_response(
+                        call_owner(actor._rv_acquire.remote(encode(retry)), deadline, handle, node)
+                    )
+                    if isinstance(answer, Rdma):
+                        actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+                        raise ProtocolError(
+                            f"owner on node {node} answered RDMA again to the fallback acquire, "
+                            "which carried no offer; refusing to retry"
+                        )
+            if isinstance(answer, Ready) and placement is not None:
+                pull_chunks(
+                    actor,
+                    handle,
+                    node,
+                    answer.transfer_id,
+                    answer.chunk_size,
+                    answer.chunk_count,
+                    answer.total_len,
+                    placement.view(),
+                    self.config.pulls_in_flight,
+                    deadline,
                 )
         except BaseException:
             with self._lock:
@@ -776,6 +900,8 @@ class RendezvousAgent:
             if not isinstance(sys.exc_info()[1], OwnerDied):
                 actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
             raise
+        if path == "chunked":
+            self._learn_peer(actor, node, deadline)
         if mode == "release":
             actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
         elif mode == "detach":
@@ -793,6 +919,47 @@ class RendezvousAgent:
             self._ticker.poke()
         self.metrics.fetched(path, answer.total_len, now - started)
         return self._local_lease(slot, lease.lease_id, answer.lease_id if mode == "hold" else 0)
+
+    def _rdma_get(
+        self,
+        actor: Any,
+        node: str,
+        handle: DataHandle,
+        answer: Rdma,
+        placement: Placement | None,
+        pinned: bool,
+        deadline: Deadline,
+    ) -> str | None:
+        """GET an RDMA answer into ``placement``. Returns None on success, else the
+        consumer's fallback reason (decode_error, pool_exhausted, get_failed)."""
+        assert self.rdma is not None
+        try:
+            descriptor = self.rdma.decode(answer.descriptor, answer.total_len)
+        except DescriptorError:
+            return "decode_error"
+        if placement is None or not pinned:
+            return "pool_exhausted"
+        renewal = _LeaseRenewal(actor, handle, answer.lease_id, answer.lease_timeout_ms)
+        started = time.monotonic()
+        try:
+            remaining = deadline.remaining()
+            timeout = remaining if remaining is not None else max(60.0, answer.total_len / 50e6)
+            if timeout <= 0:
+                raise deadline.timeout_error(handle)
+            self.rdma.get(node, descriptor, placement.address, timeout)
+        except DescriptorError:
+            return "decode_error"
+        except UcxError:
+            _log.warning("ray_velo: GET of %s from node %s failed", handle, node, exc_info=True)
+            if deadline.expired():
+                raise deadline.timeout_error(handle) from None
+            return "get_failed"
+        finally:
+            renewal.stop()
+        elapsed = time.monotonic() - started
+        self.metrics.get_completed(elapsed)
+        self.metrics.path("rdma", "ok")
+        return None
 
     def _peer_registered(self, node: str) -> bool:
         return self.rdma is not None and bool(self.rdma.peer_registered(node))
@@ -816,8 +983,10 @@ class RendezvousAgent:
                         del self._reservations[rid]
                         if pending.placement is not None:
                             self._free_placement(pending.placement, pending.pinned, now)
-            self.pinned_pool.reclaim(now)
+            if self.pinned_pool.reclaim(now):
+                self._sync_registrations()
             self.plain_pool.reclaim(now)
+            self.metrics.set_slots(self.store.live_slots, self.store.staged_bytes)
             due = [
                 self.store.next_deadline(),
                 self.pinned_pool.next_reclaim_deadline(now),

@@ -102,6 +102,12 @@ def ensure_agents(config: VeloConfig, timeout_s: float = 120.0) -> dict[str, Any
     """An agent on every alive node, each answering a ping. Returns them by node id."""
     agents = {node_id: ensure_agent(node_id, config) for node_id in alive_node_ids()}
     ray.get([agent.ping.remote() for agent in agents.values()], timeout=timeout_s)
+    # Register every agent with every other for UCX, so the first fetch between two nodes
+    # can already offer RDMA (without this, each pair's first transfer is chunked).
+    addresses = dict(
+        zip(agents, ray.get([a.ucx_address.remote() for a in agents.values()], timeout=timeout_s))
+    )
+    ray.get([a.register_peers.remote(addresses) for a in agents.values()], timeout=timeout_s)
     return agents
 
 

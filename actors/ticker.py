@@ -52,6 +52,7 @@ class Ticker:
 
     @property
     def alive(self) -> bool:
+        """Whether the thread still runs (False once stopped)."""
         return self._thread.is_alive()
 
     def _run(self) -> None:

@@ -9,6 +9,7 @@ field, the value and the rule. Values the spec clamps (``lease_timeout`` to >= 1
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,12 @@ DEFAULT_CHUNK_SIZE = 16 * MiB
 #: Pulls kept in flight per chunked transfer (docs/tuning.md).
 DEFAULT_PULLS_IN_FLIGHT = 4
 
+#: ``lease_timeout`` clamps up to this (spec: on the wire 0 ms means "no deadline").
 LEASE_TIMEOUT_FLOOR_S = 0.001
+#: A cap on ``lease_timeout`` (about 31.7 million years) that keeps ``lease_timeout_ms``
+#: well inside the wire's u64 after float rounding.
+LEASE_TIMEOUT_MAX_S = 1e15
+#: ``ep_idle_timeout`` rises to this (spec: floor 500 ms).
 EP_IDLE_TIMEOUT_FLOOR_S = 0.5
 
 
@@ -50,12 +56,26 @@ def _positive(obj: object, name: str) -> None:
         raise ConfigError(field=name, value=value, rule="must be a positive integer (bytes)")
 
 
+def _non_negative(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(field=name, value=value, rule="must be an integer >= 0 (bytes)")
+
+
+def _is_seconds(value: object) -> bool:
+    # A real number of seconds: not a bool, not NaN (which passes every `<` test) and not
+    # infinite (None already says "unbounded", and inf breaks the ms conversions).
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_seconds_or_none(obj: object, name: str) -> None:
     value = getattr(obj, name)
     if value is None:
         return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(field=name, value=value, rule="must be None or a positive number of seconds")
+    if not _is_seconds(value) or value <= 0:
+        raise ConfigError(
+            field=name, value=value, rule="must be None or a positive, finite number of seconds"
+        )
 
 
 def _set(obj: object, name: str, value: Any) -> None:
@@ -77,13 +97,18 @@ class RdmaRendezvousConfig:
     lease_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rdma_min_bytes, int) or self.rdma_min_bytes < 0:
+        _non_negative(self, "rdma_min_bytes")
+        if not _is_seconds(self.lease_timeout) or self.lease_timeout <= 0:
             raise ConfigError(
-                field="rdma_min_bytes", value=self.rdma_min_bytes, rule="must be an integer >= 0"
+                field="lease_timeout",
+                value=self.lease_timeout,
+                rule="must be a positive, finite number of seconds",
             )
-        if not isinstance(self.lease_timeout, (int, float)) or self.lease_timeout <= 0:
+        if self.lease_timeout > LEASE_TIMEOUT_MAX_S:
             raise ConfigError(
-                field="lease_timeout", value=self.lease_timeout, rule="must be > 0 seconds"
+                field="lease_timeout",
+                value=self.lease_timeout,
+                rule=f"must be at most {LEASE_TIMEOUT_MAX_S:g} s (lease_timeout_ms is a u64)",
             )
         if self.lease_timeout < LEASE_TIMEOUT_FLOOR_S:
             # On the wire 0 means "no deadline": a sub-millisecond value would round to it.
@@ -121,10 +146,7 @@ class RdmaPoolConfig:
             "registered_bytes_budget",
         ):
             _positive(self, name)
-        if not isinstance(self.retain_arena_bytes, int) or self.retain_arena_bytes < 0:
-            raise ConfigError(
-                field="retain_arena_bytes", value=self.retain_arena_bytes, rule="must be >= 0"
-            )
+        _non_negative(self, "retain_arena_bytes")
         _positive_seconds_or_none(self, "arena_reclaim_after")
         if self.max_arena_bytes < self.initial_arena_bytes:
             raise ConfigError(

@@ -162,7 +162,7 @@ class LeaseNotFound(HandleError, KeyError):
 # --- memory -----------------------------------------------------------------------------
 
 
-class MemoryError_(VeloError):  # noqa: N801 - trailing underscore: do not shadow the builtin
+class MemoryError_(VeloError):  # the trailing underscore: do not shadow the builtin
     """Staging memory could not be provided."""
 
 

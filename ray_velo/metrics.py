@@ -21,17 +21,39 @@ Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {p
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["GET_BUCKETS_S", "AgentMetrics", "prometheus_registry"]
 
 _log = logging.getLogger(__name__)
 
 #: Histogram buckets for GET and fetch durations (seconds): 100 us .. 60 s.
-GET_BUCKETS_S = [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0]
+GET_BUCKETS_S = [
+    0.0001,
+    0.0005,
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    60.0,
+]
 
 
 class _RayExport:
@@ -77,7 +99,9 @@ class _RayExport:
             boundaries=GET_BUCKETS_S,
             tag_keys=("path", "node"),
         )
-        self.live_slots = rm.Gauge("velo_live_slots", "Slots staged on this agent.", tag_keys=("node",))
+        self.live_slots = rm.Gauge(
+            "velo_live_slots", "Slots staged on this agent.", tag_keys=("node",)
+        )
         self.staged_bytes = rm.Gauge(
             "velo_staged_bytes", "Bytes staged on this agent.", tag_keys=("node",)
         )
@@ -103,7 +127,11 @@ class AgentMetrics:
         self.node_id = node_id
         self._lock = threading.Lock()
         self.path_total: Counter[tuple[str, str]] = Counter()
-        self.get_durations_s: list[float] = []
+        # The GET histogram as cumulative plain numbers: one count per GET_BUCKETS_S bound
+        # (non-cumulative; +Inf is the last), the total count and the sum of seconds.
+        self.get_duration_buckets: list[int] = [0] * (len(GET_BUCKETS_S) + 1)
+        self.get_duration_count = 0
+        self.get_duration_sum_s = 0.0
         self.leases_reaped_total = 0
         self.registered_bytes = 0
         self.registrations_total: Counter[str] = Counter()
@@ -129,13 +157,16 @@ class AgentMetrics:
             self._ray.path.inc(1, {"path": path, "reason": reason})
 
     def get_completed(self, seconds: float) -> None:
+        """Count one completed RDMA GET that took ``seconds`` (without the acquire)."""
         with self._lock:
-            self.get_durations_s.append(seconds)
-            del self.get_durations_s[:-1000]
+            self.get_duration_buckets[bisect.bisect_left(GET_BUCKETS_S, seconds)] += 1
+            self.get_duration_count += 1
+            self.get_duration_sum_s += seconds
         if self._ray is not None:
             self._ray.get_duration.observe(seconds)
 
     def leases_reaped(self, count: int) -> None:
+        """Count ``count`` RDMA leases the owner's reaper force-released."""
         if not count:
             return
         with self._lock:
@@ -144,6 +175,7 @@ class AgentMetrics:
             self._ray.reaped.inc(count)
 
     def registration(self, kind: str, registered_bytes: int) -> None:
+        """Count one registration (``kind`` arena or external); set the registered bytes."""
         with self._lock:
             self.registrations_total[kind] += 1
         self.set_registered(registered_bytes)
@@ -151,6 +183,7 @@ class AgentMetrics:
             self._ray.registrations.inc(1, {"kind": kind})
 
     def set_registered(self, registered_bytes: int, live_regions: int | None = None) -> None:
+        """Set the registered-bytes gauge, and the live-regions gauge when given."""
         with self._lock:
             self.registered_bytes = registered_bytes
             if live_regions is not None:
@@ -161,6 +194,7 @@ class AgentMetrics:
                 self._ray.live_regions.set(live_regions)
 
     def fetched(self, path: str, nbytes: int, seconds: float) -> None:
+        """Count one fetch of ``nbytes`` bytes over ``path`` that took ``seconds``."""
         with self._lock:
             self.bytes_moved[path] += nbytes
             self.fetches[path] += 1
@@ -170,6 +204,7 @@ class AgentMetrics:
             self._ray.fetch_duration.observe(seconds, {"path": path})
 
     def set_slots(self, live_slots: int, staged_bytes: int) -> None:
+        """Set the live-slots and staged-bytes gauges."""
         with self._lock:
             self.live_slots, self.staged_bytes = live_slots, staged_bytes
         if self._ray is not None:
@@ -184,8 +219,16 @@ class AgentMetrics:
                     f"{path}/{reason}": n for (path, reason), n in sorted(self.path_total.items())
                 },
                 "velo_rendezvous_rdma_get_duration_seconds": {
-                    "count": len(self.get_durations_s),
-                    "sum": sum(self.get_durations_s),
+                    "count": self.get_duration_count,
+                    "sum": self.get_duration_sum_s,
+                    # cumulative, keyed by the upper bound as Prometheus writes it ("+Inf" last)
+                    "buckets": dict(
+                        zip(
+                            [*(repr(b) for b in GET_BUCKETS_S), "+Inf"],
+                            itertools.accumulate(self.get_duration_buckets),
+                            strict=True,
+                        )
+                    ),
                 },
                 "velo_rendezvous_rdma_leases_reaped_total": self.leases_reaped_total,
                 "velo_rdma_registered_bytes": self.registered_bytes,
@@ -207,32 +250,98 @@ def _inside_ray_worker() -> bool:
         return False
 
 
-def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> Any:
+def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> CollectorRegistry:
     """A ``prometheus_client`` registry holding the given agents' snapshots (by node id).
 
-    For a standalone scrape or a test; inside Ray the same series come from Ray's export.
+    Renders every spec series (``velo_rendezvous_rdma_path_total{path, reason, node}``, the
+    GET-duration histogram, reaped leases, registered bytes, registrations by kind, live
+    regions) and the operator series, each labelled by ``node``. For a standalone scrape or
+    a test; inside Ray the same series come from Ray's export.
     """
-    from prometheus_client import CollectorRegistry, Counter as PCounter, Gauge
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    path = PCounter(
-        "velo_rendezvous_rdma_path", "Path decisions.", ("path", "reason", "node"), registry=registry
+    registry.register(_SnapshotCollector(dict(snapshots)))
+    return registry
+
+
+def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
     )
-    reaped = PCounter(
-        "velo_rendezvous_rdma_leases_reaped", "Reaped RDMA leases.", ("node",), registry=registry
+
+    path = CounterMetricFamily(
+        "velo_rendezvous_rdma_path",
+        "Path decisions with their reason (reason=ok is the only path=rdma label).",
+        labels=("path", "reason", "node"),
     )
-    registered = Gauge("velo_rdma_registered_bytes", "Mapped bytes.", ("node",), registry=registry)
-    regs = PCounter(
-        "velo_rdma_registrations", "Registrations.", ("kind", "node"), registry=registry
+    get_duration = HistogramMetricFamily(
+        "velo_rendezvous_rdma_get_duration_seconds",
+        "RDMA GET time, without the acquire round trip.",
+        labels=("node",),
     )
-    regions = Gauge("velo_rdma_live_regions", "Live regions.", ("node",), registry=registry)
-    for node, snap in snapshots.items():
+    reaped = CounterMetricFamily(
+        "velo_rendezvous_rdma_leases_reaped",
+        "RDMA leases the owner reaper force-released.",
+        labels=("node",),
+    )
+    registered = GaugeMetricFamily(
+        "velo_rdma_registered_bytes", "Mapped bytes, pool and external.", labels=("node",)
+    )
+    registrations = CounterMetricFamily(
+        "velo_rdma_registrations",
+        "Registrations, kind = arena or external.",
+        labels=("kind", "node"),
+    )
+    regions = GaugeMetricFamily(
+        "velo_rdma_live_regions", "Regions the backend holds registered.", labels=("node",)
+    )
+    bytes_moved = CounterMetricFamily(
+        "velo_bytes_moved", "Payload bytes fetched, by path.", labels=("path", "node")
+    )
+    fetches = CounterMetricFamily("velo_fetches", "Fetches, by path.", labels=("path", "node"))
+    live_slots = GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",))
+    staged_bytes = GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",))
+    for node, snap in sorted(snapshots.items()):
         for key, n in snap["velo_rendezvous_rdma_path_total"].items():
             p, reason = key.split("/", 1)
-            path.labels(p, reason, node).inc(n)
-        reaped.labels(node).inc(snap["velo_rendezvous_rdma_leases_reaped_total"])
-        registered.labels(node).set(snap["velo_rdma_registered_bytes"])
+            path.add_metric((p, reason, node), n)
+        histogram = snap["velo_rendezvous_rdma_get_duration_seconds"]
+        get_duration.add_metric(
+            (node,), list(histogram["buckets"].items()), sum_value=histogram["sum"]
+        )
+        reaped.add_metric((node,), snap["velo_rendezvous_rdma_leases_reaped_total"])
+        registered.add_metric((node,), snap["velo_rdma_registered_bytes"])
         for kind, n in snap["velo_rdma_registrations_total"].items():
-            regs.labels(kind, node).inc(n)
-        regions.labels(node).set(snap["velo_rdma_live_regions"])
-    return registry
+            registrations.add_metric((kind, node), n)
+        regions.add_metric((node,), snap["velo_rdma_live_regions"])
+        for p, n in snap["velo_bytes_moved_total"].items():
+            bytes_moved.add_metric((p, node), n)
+        for p, n in snap["velo_fetches_total"].items():
+            fetches.add_metric((p, node), n)
+        live_slots.add_metric((node,), snap["velo_live_slots"])
+        staged_bytes.add_metric((node,), snap["velo_staged_bytes"])
+    yield from (
+        path,
+        get_duration,
+        reaped,
+        registered,
+        registrations,
+        regions,
+        bytes_moved,
+        fetches,
+        live_slots,
+        staged_bytes,
+    )
+
+
+class _SnapshotCollector:
+    """Serves fixed snapshots to a ``CollectorRegistry`` (it calls ``collect`` per scrape)."""
+
+    def __init__(self, snapshots: dict[str, dict[str, Any]]) -> None:
+        self._snapshots = snapshots
+
+    def collect(self) -> Iterator[Metric]:
+        return _snapshot_families(self._snapshots)

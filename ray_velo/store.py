@@ -192,28 +192,34 @@ class SlotStore:
         return slot
 
     def metadata(self, handle: DataHandle) -> HandleMetadata:
+        """Size, refcount and pinned of ``handle``'s slot. Raises HandleNotFound."""
         slot = self.slot(handle)
         return HandleMetadata(size=slot.total_len, refcount=slot.refcount, pinned=slot.pinned)
 
     def lease(self, lease_id: int) -> Lease:
+        """The held lease ``lease_id``. Raises LeaseNotFound."""
         lease = self._leases.get(lease_id)
         if lease is None:
             raise LeaseNotFound(handle="?", lease_id=lease_id)
         return lease
 
     def slots(self) -> Iterable[Slot]:
+        """Every live slot (a live view: do not change the store while iterating)."""
         return self._slots.values()
 
     @property
     def live_slots(self) -> int:
+        """Slots staged and not yet freed."""
         return len(self._slots)
 
     @property
     def live_leases(self) -> int:
+        """Leases held on live slots."""
         return len(self._leases)
 
     @property
     def staged_bytes(self) -> int:
+        """Bytes of every live slot."""
         return sum(s.total_len for s in self._slots.values())
 
     # --- leases ----------------------------------------------------------------------
@@ -400,22 +406,58 @@ class SlotStore:
     # --- invariants ------------------------------------------------------------------
 
     def validate(self) -> None:
-        """Assert the store's invariants (tests call this after every step)."""
+        """Check the store's invariants; tests call this after every step.
+
+        Every lease sits on a live slot that lists it; a lease is timed iff it has a deadline,
+        and an RDMA lease always has one; no live slot is unreferenced and unleased; a slot
+        has a TTL iff it is in the TTL index; no live slot id is a tombstone; staged minus
+        freed equals live.
+
+        Raises:
+            AssertionError: an invariant is broken; the message names it (checked under
+                ``python -O`` too).
+        """
         for lease_id, lease in self._leases.items():
-            assert lease.lease_id == lease_id
+            _check(lease.lease_id == lease_id, f"lease {lease_id} filed as {lease.lease_id}")
             slot = self._slots.get(lease.slot_id)
-            assert slot is not None, f"lease {lease_id} on freed slot {lease.slot_id}"
-            assert lease_id in slot.leases
-            assert (lease.deadline is not None) == (lease_id in self._timed_leases)
+            if slot is None:
+                raise AssertionError(f"lease {lease_id} on freed slot {lease.slot_id}")
+            _check(lease_id in slot.leases, f"slot {slot.slot_id} does not list lease {lease_id}")
+            timed = self._timed_leases.get(lease_id)
+            _check(
+                (lease.deadline is not None) == (timed is lease),
+                f"lease {lease_id}: deadline {lease.deadline}, timed index {timed}",
+            )
             if lease.kind == "rdma":
-                assert lease.deadline is not None, f"RDMA lease {lease_id} has no deadline"
+                _check(lease.deadline is not None, f"RDMA lease {lease_id} has no deadline")
         for slot_id, slot in self._slots.items():
-            assert slot.slot_id == slot_id
-            assert slot.refcount >= 0
-            assert slot.refcount > 0 or slot.leases, f"slot {slot_id} unreferenced but live"
+            _check(slot.slot_id == slot_id, f"slot {slot_id} filed as {slot.slot_id}")
+            _check(slot.refcount >= 0, f"slot {slot_id} refcount {slot.refcount}")
+            _check(slot.refcount > 0 or bool(slot.leases), f"slot {slot_id} unreferenced but live")
             for lease_id in slot.leases:
-                assert self._leases[lease_id].slot_id == slot_id
-            assert (slot.ttl_deadline is not None) == (slot_id in self._ttl_slots)
-            assert slot_id not in self._tombstones
+                held = self._leases.get(lease_id)
+                _check(
+                    held is not None and held.slot_id == slot_id,
+                    f"slot {slot_id} lists lease {lease_id}, which is not on it",
+                )
+            _check(
+                (slot.ttl_deadline is not None) == (self._ttl_slots.get(slot_id) is slot),
+                f"slot {slot_id}: ttl {slot.ttl_deadline}, TTL index disagrees",
+            )
+            _check(slot_id not in self._tombstones, f"live slot {slot_id} has a tombstone")
         for lease_id in self._timed_leases:
-            assert lease_id in self._leases
+            _check(lease_id in self._leases, f"timed lease {lease_id} is not held")
+        for slot_id in self._ttl_slots:
+            _check(slot_id in self._slots, f"TTL on freed slot {slot_id}")
+        counters = self.counters
+        _check(
+            counters.slots_staged - counters.slots_freed == len(self._slots),
+            f"{counters.slots_staged} staged - {counters.slots_freed} freed "
+            f"!= {len(self._slots)} live",
+        )
+
+
+def _check(condition: bool, message: str) -> None:
+    # Not `assert`: validate() must check under `python -O` as well.
+    if not condition:
+        raise AssertionError(message)

@@ -169,7 +169,7 @@ class Region:
         registrar: Registrar,
         budget: RegistrationBudget | None = None,
         *,
-        on_released: Callable[[], None] | None = None,
+        on_released: Callable[[], object] | None = None,
     ) -> None:
         """Charge the budget and register ``nbytes`` bytes at ``address``.
 
@@ -180,7 +180,7 @@ class Region:
             registrar: the backend (UCX, or :class:`~ray_velo.memory.pool.NoopRegistrar`).
             budget: the shared registered-bytes budget; charged the pinned pages.
             on_released: called once after the confirmed unmap (e.g. to free memory that velo
-                owns, the spec's ``register_owned``); its errors are logged, not raised.
+                owns, the spec's ``register_owned``); its result is ignored, its errors logged.
 
         Raises:
             BudgetExceeded: the pages do not fit the budget. Nothing was registered.

@@ -113,4 +113,5 @@ class RdmaDescriptor:
 
     @property
     def backend_name(self) -> str:
+        """The backend's name as an offer carries it (``"ucx"``)."""
         return BACKEND_NAMES[self.backend]

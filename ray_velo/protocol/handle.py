@@ -43,15 +43,18 @@ class DataHandle:
 
     @classmethod
     def from_int(cls, value: int) -> DataHandle:
+        """The handle whose u128 value is ``value``. Raises ProtocolError out of range."""
         if not 0 <= value < (1 << 128):
             raise ProtocolError(f"a DataHandle is a u128, got {value!r}")
         return cls(value >> 64, value & U64_MAX)
 
     def to_wire(self) -> dict[str, int]:
+        """The wire form ``{"hi": worker_id, "lo": slot_id}`` (MessagePack has no u128)."""
         return {"hi": self.worker_id, "lo": self.slot_id}
 
     @classmethod
     def from_wire(cls, wire: Any) -> DataHandle:
+        """Parse the wire form ``{hi, lo}``. Raises ProtocolError for anything else."""
         if not isinstance(wire, dict) or "hi" not in wire or "lo" not in wire:
             raise ProtocolError(f"a DataHandle on the wire is {{hi, lo}}, got {wire!r}")
         return cls(wire["hi"], wire["lo"])

@@ -68,11 +68,15 @@ class TypeHeader:
 
 @dataclass(frozen=True, slots=True)
 class MetadataRequest:
+    """``_rv_metadata``: size, refcount and pinned of ``handle``; takes no lock."""
+
     handle: DataHandle = NULL_HANDLE
 
 
 @dataclass(frozen=True, slots=True)
 class MetadataResponse:
+    """The ``_rv_metadata`` answer: size in bytes, live references, pinned or not."""
+
     size: int = 0
     refcount: int = 0
     pinned: bool = False
@@ -126,29 +130,39 @@ AcquireResponse = Ready | Rdma
 
 @dataclass(frozen=True, slots=True)
 class PullRequest:
+    """``_rv_pull``: chunk ``index`` of chunked transfer ``transfer_id``; renews its lease."""
+
     transfer_id: int = 0
     index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RefRequest:
+    """``_rv_ref``: one more reference on ``handle``, for one more consumer."""
+
     handle: DataHandle = NULL_HANDLE
 
 
 @dataclass(frozen=True, slots=True)
 class DetachRequest:
+    """``_rv_detach``: drop the read lock ``lease_id``; the handle stays usable."""
+
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequest:
+    """``_rv_release``: drop the read lock and one reference (``lease_id`` 0: no lock)."""
+
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class LeaseRenewRequest:
+    """``_rv_lease_renew``: push the lease's deadline one lease timeout past now."""
+
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0
 

@@ -37,6 +37,7 @@ context options, which are ``ConfigError``.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Mapping
 from types import TracebackType
@@ -718,7 +719,11 @@ class MemoryRegistration(_Node):
         attr = ffi.new("ucp_mem_attr_t *")
         attr.field_mask = lib.UCP_MEM_ATTR_FIELD_ADDRESS | lib.UCP_MEM_ATTR_FIELD_LENGTH
         check_status(lib.ucp_mem_query(self._handle, attr), "ucp_mem_query")
-        return int(ffi.cast("uintptr_t", attr.address)), int(attr.length)
+        # (start, end) of what is pinned, in whole pages: the Registration protocol's form
+        address = int(ffi.cast("uintptr_t", attr.address))
+        end = address + int(attr.length)
+        page = mmap.PAGESIZE
+        return address - address % page, -(-end // page) * page
 
     def _unmap_now(self) -> None:
         status = int(self._b.lib.ucp_mem_unmap(self.context._handle, self._handle))

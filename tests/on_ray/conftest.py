@@ -19,7 +19,12 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import ray_velo as rv  # noqa: E402
-from ray_velo.config import MiB, VeloConfig  # noqa: E402
+from ray_velo.config import (  # noqa: E402
+    MiB,
+    RdmaConfig,
+    RdmaRendezvousConfig,
+    VeloConfig,
+)
 
 #: Small chunks so tests exercise many chunks without moving much data.
 TEST_CHUNK = 1 * MiB
@@ -28,6 +33,8 @@ TEST_CONFIG = VeloConfig(
     pulls_in_flight=4,
     staged_payload_max=96 * MiB,
     plain_arena_bytes=16 * MiB,
+    # short RDMA leases, so an abandoned GET's lease is reaped within a test's patience
+    rdma=RdmaConfig(rendezvous=RdmaRendezvousConfig(lease_timeout=2.0)),
 )
 
 

@@ -21,6 +21,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 ON_B = {"resources": {"node_b": 1}, "num_cpus": 0}
 
 
+def used_bytes(node: str) -> int:
+    info = agent_info(node)
+    return int(info["plain_used_bytes"] + info["pinned_used_bytes"])
+
+
 @ray.remote(**ON_B)
 def fetch_crc_on_b(handle: rv.DataHandle, timeout: float | None = None) -> int:
     data = rv.fetch(handle, timeout=timeout)
@@ -43,10 +48,10 @@ def test_stalled_owner_times_out_within_the_callers_bound(velo: None) -> None:
         os.kill(owner_pid, signal.SIGCONT)
     assert "1.0 s" in str(info.value) and "caller timeout" in str(info.value)
     assert elapsed < 8.0
-    # the abandoned fetch's chunked lease expires on the owner (it asked for lease_ms);
-    # the second reference still reads the payload
+    # the abandoned fetch's lease expires on the owner (a chunked lease at lease_ms, an RDMA
+    # lease at lease_timeout, 2 s here); the second reference still reads the payload
     assert ray.get(fetch_crc_on_b.remote(handle)) == zlib.crc32(np.arange(MiB, dtype=np.uint8))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
             rv.metadata(handle)
@@ -92,11 +97,11 @@ def test_owner_killed_mid_pull_gives_owner_died_and_consumer_keeps_serving(velo:
     """The owner's agent dies while node b pulls: OwnerDied naming the node, within the
     bound; node b's agent keeps serving, and node a gets a fresh agent on next use."""
     node_a = node_ids()["node_a"]
-    handle = rv.put(np.ones(90 * MiB, dtype=np.uint8))
-    used_before = agent_info("node_b")["plain_used_bytes"]
+    handle = rv.register_data(np.ones(90 * MiB, dtype=np.uint8))  # plain memory: chunked
+    used_before = used_bytes("node_b")
     ref = fetch_crc_on_b.remote(handle, timeout=60.0)
     deadline = time.monotonic() + 30
-    while agent_info("node_b")["plain_used_bytes"] == used_before:  # the pull has begun
+    while used_bytes("node_b") == used_before:  # the pull has begun
         assert time.monotonic() < deadline, "the fetch never started"
         time.sleep(0.005)
     os.kill(agent_info("node_a")["pid"], signal.SIGKILL)
@@ -106,7 +111,7 @@ def test_owner_killed_mid_pull_gives_owner_died_and_consumer_keeps_serving(velo:
     assert time.monotonic() - started < 30
     assert node_a in str(info.value)
     # node b's agent is alive and freed the half-filled copy
-    assert agent_info("node_b")["plain_used_bytes"] == used_before
+    assert used_bytes("node_b") == used_before
     # node a: the driver's next put stages on a fresh agent; everything works again
     payload = np.arange(2 * MiB, dtype=np.uint8)
     assert ray.get(fetch_crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)

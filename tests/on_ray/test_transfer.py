@@ -15,6 +15,7 @@ import ray
 import ray_velo as rv
 from ray_velo.config import MiB
 from tests.on_ray.conftest import TEST_CHUNK, agent_info, node_ids
+from tests.on_ray.test_faults import used_bytes
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -111,7 +112,7 @@ def test_pool_returns_to_baseline_after_last_release(velo: None) -> None:
     """Staged and fetched bytes are all given back once every consumer released."""
     base_a, base_b = agent_info("node_a"), agent_info("node_b")
     handles = [rv.put(np.full(2 * MiB, i, dtype=np.uint8)) for i in range(5)]
-    assert agent_info("node_a")["plain_used_bytes"] > base_a["plain_used_bytes"]
+    assert used_bytes("node_a") > base_a["plain_used_bytes"] + base_a["pinned_used_bytes"]
     ray.get([crc_on_b.remote(h) for h in handles])
     time.sleep(0.3)
     for node, base in (("node_a", base_a), ("node_b", base_b)):
@@ -156,11 +157,11 @@ def test_oversized_payload_is_refused_before_allocation(velo: None) -> None:
     big = np.zeros(97 * MiB, dtype=np.uint8)
     handle = rv.put(big)
     del big
-    used_before = agent_info("node_b")["plain_used_bytes"]
+    used_before = used_bytes("node_b")
     with pytest.raises(rv.PayloadTooLarge) as info:
         ray.get(fetch_on_b.remote(handle))
     assert str(97 * MiB) in str(info.value) and str(96 * MiB) in str(info.value)
-    assert agent_info("node_b")["plain_used_bytes"] == used_before
+    assert used_bytes("node_b") == used_before
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:

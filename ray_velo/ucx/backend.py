@@ -1,0 +1,217 @@
+"""The agent's RDMA registry over UCX: registration, descriptors, endpoints and the GET.
+
+One :class:`UcxRdmaBackend` per agent owns a UCX context and worker (with its evented
+progress thread), registers the pinned pool's arenas and callers' regions
+(:class:`UcxRegistrar`, which the memory pool calls), authors descriptors for pinned slots,
+keeps an endpoint per peer agent (wired from worker addresses exchanged over Ray calls), and
+runs the consumer's GET. It closes in the spec's order: registrations were unmapped by the
+pools before :meth:`close`; then remote keys, endpoints, the worker, the context.
+
+Peers are keyed by Ray node id. A peer is *registered* once its worker address is known;
+that is the consumer's third offer fact ("UCX is registered for that peer").
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any
+
+from ray_velo.config import UcxConfig
+from ray_velo.errors import DescriptorError, UcxError
+from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
+from ray_velo.ucx.binding import Endpoint, MemoryRegistration, RemoteKey, UcxContext, UcxWorker
+from ray_velo.ucx.binding import get as ucx_get
+
+__all__ = ["UcxRdmaBackend", "UcxRegistrar"]
+
+_log = logging.getLogger(__name__)
+
+
+class UcxRegistrar:
+    """Maps memory with ``ucp_mem_map`` for the pool and regions (the Registrar protocol)."""
+
+    def __init__(self, context: UcxContext) -> None:
+        self._context = context
+        self.registrations_total = 0
+
+    def register(self, address: int, nbytes: int) -> MemoryRegistration:
+        """Map ``nbytes`` at ``address``; the caller keeps the pages until :meth:`unregister`."""
+        registration = MemoryRegistration.from_address(
+            self._context, address, nbytes, keepalive=None
+        )
+        self.registrations_total += 1
+        return registration
+
+    def unregister(self, registration: Any) -> None:
+        """Unmap; returns only once UCX confirmed it (pages may then be freed)."""
+        registration.unmap()
+
+
+class UcxRdmaBackend:
+    """Everything UCX an agent needs (see the module docstring)."""
+
+    backend = "ucx"
+
+    def __init__(self, config: UcxConfig) -> None:
+        self.config = config
+        self.context = UcxContext(dict(config.options))
+        try:
+            self.worker = UcxWorker(self.context, progress_thread=True, blocking=True)
+        except BaseException:
+            self.context.close()
+            raise
+        self.address: bytes = self.worker.address
+        self.registrar = UcxRegistrar(self.context)
+        self._lock = threading.Lock()
+        self._peer_addresses: dict[str, bytes] = {}
+        self._endpoints: dict[str, Endpoint] = {}
+        self._last_used: dict[str, float] = {}
+        self._generation = itertools.count(1)
+        self._closed = False
+
+    # --- peers -----------------------------------------------------------------------
+
+    def register_peer(self, node: str, address: bytes) -> None:
+        """Learn a peer agent's worker address; with eager_endpoints, wire up now."""
+        with self._lock:
+            if self._peer_addresses.get(node) == address:
+                return
+            self._peer_addresses[node] = bytes(address)
+            stale = self._endpoints.pop(node, None)
+        if stale is not None:
+            stale.close()
+        if self.config.eager_endpoints:
+            try:
+                self._endpoint(node)
+            except UcxError:  # a hint only: the first GET wires up lazily instead
+                _log.info("eager endpoint to %s failed; wiring up lazily", node, exc_info=True)
+
+    def peer_registered(self, node: str) -> bool:
+        with self._lock:
+            return node in self._peer_addresses
+
+    def forget_peer(self, node: str) -> None:
+        """The peer agent died or restarted: drop its address and endpoint."""
+        with self._lock:
+            self._peer_addresses.pop(node, None)
+            endpoint = self._endpoints.pop(node, None)
+        if endpoint is not None:
+            endpoint.close()
+
+    def _endpoint(self, node: str) -> Endpoint:
+        with self._lock:
+            if self._closed:
+                raise UcxError(operation="ucp_ep_create", status=-1, status_text="backend closed")
+            endpoint = self._endpoints.get(node)
+            if endpoint is not None and not endpoint.closed and endpoint.error_status == 0:
+                self._last_used[node] = time.monotonic()
+                return endpoint
+            address = self._peer_addresses.get(node)
+        if address is None:
+            raise UcxError(
+                operation="ucp_ep_create", status=-1, status_text=f"peer {node} not registered"
+            )
+        if endpoint is not None:
+            endpoint.close()  # failed: the next use wires up a fresh one
+        fresh = Endpoint(self.worker, address)
+        with self._lock:
+            self._endpoints[node] = fresh
+            self._last_used[node] = time.monotonic()
+        return fresh
+
+    # --- owner side --------------------------------------------------------------------
+
+    def descriptor(self, registration: Any, address: int, nbytes: int) -> bytes | None:
+        """The wire descriptor for ``nbytes`` at ``address`` inside ``registration``, or
+        None when the staging is gone (check 8: an unmapped arena or region)."""
+        if registration is None or not getattr(registration, "mapped", False):
+            return None
+        if not registration.contains(address, nbytes):
+            return None
+        return RdmaDescriptor(
+            generation=next(self._generation),
+            addr=address,
+            length=nbytes,
+            rkey=registration.packed_rkey,
+            backend=BACKEND_UCX,
+        ).encode()
+
+    # --- consumer side -----------------------------------------------------------------
+
+    @staticmethod
+    def decode(blob: bytes, expected_len: int) -> RdmaDescriptor:
+        """Decode and check a descriptor for this consumer. Raises DescriptorError."""
+        descriptor = RdmaDescriptor.decode(blob)
+        if descriptor.backend != BACKEND_UCX:
+            raise DescriptorError(reason=f"backend {descriptor.backend} is not served here")
+        if descriptor.length != expected_len:
+            raise DescriptorError(
+                reason=f"descriptor length {descriptor.length} != total_len {expected_len}"
+            )
+        return descriptor
+
+    def get(
+        self, node: str, descriptor: RdmaDescriptor, dest_address: int, timeout_s: float
+    ) -> None:
+        """GET the descriptor's bytes from peer ``node`` into ``dest_address``.
+
+        Returns once UCX reports completion, so the destination may be reused or freed after
+        it returns or raises (a timed-out GET force-closes its endpoint first).
+
+        Raises:
+            DescriptorError: the packed key fails the pre-parse (never reaches UCX).
+            UcxError: the GET failed or timed out.
+        """
+        endpoint = self._endpoint(node)
+        rkey = RemoteKey(endpoint, descriptor.rkey)
+        try:
+            ucx_get(endpoint, dest_address, descriptor.length, descriptor.addr, rkey, timeout_s)
+        except UcxError:
+            if endpoint.error_status != 0 or endpoint.closed:
+                with self._lock:
+                    if self._endpoints.get(node) is endpoint:
+                        del self._endpoints[node]
+                endpoint.close()
+            raise
+        finally:
+            rkey.close()
+
+    # --- lifetime ----------------------------------------------------------------------
+
+    def endpoint_count(self) -> int:
+        with self._lock:
+            return len(self._endpoints)
+
+    def reap_idle_endpoints(self, now: float) -> int:
+        """Close endpoints unused for ``ep_idle_timeout`` (experimental; off by default)."""
+        timeout = self.config.ep_idle_timeout
+        if timeout is None:
+            return 0
+        with self._lock:
+            idle = [n for n, t in self._last_used.items() if now - t >= timeout]
+            closing = [self._endpoints.pop(n) for n in idle if n in self._endpoints]
+            for n in idle:
+                self._last_used.pop(n, None)
+        for endpoint in closing:
+            endpoint.close()
+        return len(closing)
+
+    def close(self) -> None:
+        """Close endpoints, then the worker and its progress thread, then the context.
+
+        Arenas and regions are unmapped by their owners before this (the spec's order);
+        the context's close force-unmaps anything left and says so.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            endpoints = list(self._endpoints.values())
+            self._endpoints.clear()
+        for endpoint in endpoints:
+            endpoint.close()
+        self.worker.close()
+        self.context.close()
