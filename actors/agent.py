@@ -259,6 +259,8 @@ class RendezvousAgent:
         self._peers: dict[str, Any] = {}
         self._regions: dict[int, _OwnedRegion] = {}
         self._arena_registrations_seen = 0
+        #: Fault injection for the fault tests only (see inject_fault); empty in production.
+        self._faults: dict[str, float] = {}
         self._closed = False
         self.metrics = metrics.AgentMetrics(node_id)
         self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{self.worker_id:016x}")
@@ -283,11 +285,32 @@ class RendezvousAgent:
                 "registered_bytes": self.budget.registered_bytes,
                 "reservations": len(self._reservations),
                 "counters": _counters(self.store),
+                "slots": [
+                    {
+                        "slot": slot.slot_id,
+                        "kind": slot.kind,
+                        "bytes": slot.total_len,
+                        "refcount": slot.refcount,
+                        "leases": len(slot.leases),
+                    }
+                    for slot in list(self.store.slots())[:32]
+                ],
+                "copies": len(self._copies),
+                "peers": sorted(self._peers),
                 "metrics": self.metrics.snapshot(),
             }
 
     def ping(self) -> int:
         return self.worker_id
+
+    def inject_fault(self, name: str, value: float) -> None:
+        """Test hook: ``corrupt_descriptors`` (the next N RDMA answers carry a corrupt
+        descriptor) or ``stall_before_get_s`` (the consumer holds its RDMA lease this long
+        before its GET, renewing it, as a slow GET would)."""
+        if name not in ("corrupt_descriptors", "stall_before_get_s"):
+            raise ValueError(f"unknown fault {name!r}")
+        with self._lock:
+            self._faults[name] = value
 
     # --- memory ----------------------------------------------------------------------
 
@@ -503,6 +526,10 @@ class RendezvousAgent:
             )
             decision = decide_path(facts, lambda: self._descriptor(slot))
             self.metrics.path(decision.path, decision.reason)
+            descriptor = decision.descriptor
+            if descriptor and self._faults.get("corrupt_descriptors", 0) > 0:
+                self._faults["corrupt_descriptors"] -= 1
+                descriptor = descriptor + b"\x00"  # a trailing byte: decode must refuse it
             if decision.path == "rdma":
                 lease = self.store.acquire(
                     request.handle, now, kind="rdma", timeout=rendezvous.lease_timeout
@@ -511,7 +538,7 @@ class RendezvousAgent:
                 return encode(
                     Rdma(
                         lease.lease_id,
-                        decision.descriptor,
+                        descriptor,
                         rendezvous.lease_timeout_ms,
                         slot.total_len,
                         slot.type_header,
@@ -725,42 +752,45 @@ class RendezvousAgent:
             raise ValueError(f"unknown handler {method!r}")
         if handle.worker_id == self.worker_id:
             return getattr(self, method)(data)
-        actor, node = self._owner(handle)
-        try:
-            return call_owner(
-                getattr(actor, method).remote(data), Deadline.start(timeout_s), handle, node
-            )
-        except OwnerDied:
-            with self._lock:
-                self._peers.pop(node, None)
-            raise
+        for attempt in range(2):
+            actor, node = self._owner(handle)
+            try:
+                return call_owner(
+                    getattr(actor, method).remote(data), Deadline.start(timeout_s), handle, node
+                )
+            except OwnerDied:
+                if not self._forget_owner(node, actor) or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
-    def ucx_address(self) -> bytes | None:
-        """This agent's UCX worker address (None without UCX), for peers to wire up."""
-        return None if self.rdma is None else self.rdma.address
+    def ucx_address(self) -> tuple[int, bytes | None]:
+        """(worker id, UCX worker address or None without UCX), for peers to wire up."""
+        return self.worker_id, None if self.rdma is None else self.rdma.address
 
-    def register_peers(self, addresses: dict[str, bytes | None]) -> int:
-        """Learn peer agents' worker addresses (node id -> address). Returns how many."""
+    def register_peers(self, addresses: dict[str, tuple[int, bytes | None]]) -> int:
+        """Learn peer agents' worker addresses: node id -> (worker id, address)."""
         if self.rdma is None:
             return 0
         count = 0
-        for node, address in addresses.items():
+        for node, (worker_id, address) in addresses.items():
             if node != self.node_id and address:
-                self.rdma.register_peer(node, address)
+                self.rdma.register_peer(node, worker_id, address)
                 count += 1
         return count
 
     def _learn_peer(self, actor: Any, node: str, deadline: Deadline) -> None:
         """Cold start: after a first (chunked) fetch from an unknown owner, register it so
         later fetches offer RDMA."""
-        if self.rdma is None or self.rdma.peer_registered(node):
+        if self.rdma is None:
             return
         try:
-            address = call_owner(actor.ucx_address.remote(), deadline, DataHandle(1, 1), node)
+            worker_id, address = call_owner(
+                actor.ucx_address.remote(), deadline, DataHandle(1, 1), node
+            )
         except VeloError:
             return
         if address:
-            self.rdma.register_peer(node, address)
+            self.rdma.register_peer(node, worker_id, address)
 
     # --- fetching from other nodes (consumer side) -----------------------------------
 
@@ -787,9 +817,22 @@ class RendezvousAgent:
         try:
             return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started)
         except OwnerDied:
-            with self._lock:
-                self._peers.pop(node, None)
-            raise
+            if not self._forget_owner(node, actor):
+                raise
+        # The cached actor handle was of a dead incarnation; a new agent may serve the node
+        # now (it answers HandleNotFound for the old one's handles).
+        actor, node = self._owner(handle)
+        return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started)
+
+    def _forget_owner(self, node: str, actor: Any) -> bool:
+        """Drop a dead owner's cached actor handle. True if it was cached (a retry with a
+        fresh lookup may find the node's new agent). Its UCX registration stays: it names
+        the dead incarnation's worker id, so no handle of a new one is offered to it."""
+        with self._lock:
+            cached = self._peers.get(node) is actor
+            if cached:
+                del self._peers[node]
+        return cached
 
     def _lease_cached_copy(self, handle: DataHandle, pid: int) -> LocalLease | None:
         with self._lock:
@@ -821,7 +864,11 @@ class RendezvousAgent:
         pid: int,
         started: float,
     ) -> LocalLease:
-        offer = build_offer(self.rdma is not None, self.rdma_enabled, self._peer_registered(node))
+        offer = build_offer(
+            self.rdma is not None,
+            self.rdma_enabled,
+            self.rdma is not None and self.rdma.peer_registered(node, handle.worker_id),
+        )
         if offer.reason is not None:
             self.metrics.path("chunked", offer.reason)
         request = AcquireRequest(
@@ -946,6 +993,9 @@ class RendezvousAgent:
             timeout = remaining if remaining is not None else max(60.0, answer.total_len / 50e6)
             if timeout <= 0:
                 raise deadline.timeout_error(handle)
+            stall = self._faults.get("stall_before_get_s", 0.0)
+            if stall:
+                time.sleep(stall)
             self.rdma.get(node, descriptor, placement.address, timeout)
         except DescriptorError:
             return "decode_error"
@@ -960,9 +1010,6 @@ class RendezvousAgent:
         self.metrics.get_completed(elapsed)
         self.metrics.path("rdma", "ok")
         return None
-
-    def _peer_registered(self, node: str) -> bool:
-        return self.rdma is not None and bool(self.rdma.peer_registered(node))
 
     # --- timers ----------------------------------------------------------------------
 

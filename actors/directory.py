@@ -22,6 +22,7 @@ __all__ = [
     "find_agent",
     "load_cluster_config",
     "node_of_worker",
+    "register_all_peers",
     "store_cluster_config",
 ]
 
@@ -102,13 +103,19 @@ def ensure_agents(config: VeloConfig, timeout_s: float = 120.0) -> dict[str, Any
     """An agent on every alive node, each answering a ping. Returns them by node id."""
     agents = {node_id: ensure_agent(node_id, config) for node_id in alive_node_ids()}
     ray.get([agent.ping.remote() for agent in agents.values()], timeout=timeout_s)
-    # Register every agent with every other for UCX, so the first fetch between two nodes
-    # can already offer RDMA (without this, each pair's first transfer is chunked).
+    register_all_peers(agents, timeout_s)
+    return agents
+
+
+def register_all_peers(agents: dict[str, Any] | None = None, timeout_s: float = 120.0) -> None:
+    """Tell every agent every other agent's UCX worker address, so the first fetch between
+    two nodes can already offer RDMA (otherwise each pair's first transfer is chunked)."""
+    if agents is None:
+        agents = {node_id: find_agent(node_id) for node_id in alive_node_ids()}
     addresses = dict(
         zip(agents, ray.get([a.ucx_address.remote() for a in agents.values()], timeout=timeout_s))
     )
     ray.get([a.register_peers.remote(addresses) for a in agents.values()], timeout=timeout_s)
-    return agents
 
 
 def find_agent(node_id: str) -> Any:

@@ -36,6 +36,7 @@ from ray_velo.config import VeloConfig
 from ray_velo.errors import AgentDied, NotInitialized, RegionDeregistered, VeloError
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
+from ray_velo.transfer import clear_ray_frames
 from ray_velo.protocol import (
     DataHandle,
     DetachRequest,
@@ -106,8 +107,10 @@ def _call(ref: Any, timeout_s: float | None = None) -> Any:
     try:
         return ray.get(ref, timeout=timeout_s)
     except ray_errors.RayTaskError as exc:
+        clear_ray_frames(exc)
         raise _unwrap(exc) from None
     except ray_errors.RayActorError as exc:
+        clear_ray_frames(exc)
         _forget_agent()
         raise AgentDied() from exc
 
@@ -147,7 +150,8 @@ def _live_agent(node_id: str, timeout_s: float = 30.0) -> tuple[Any, dict[str, A
         agent = ensure_agent(node_id)
         try:
             return agent, ray.get(agent.info.remote(), timeout=timeout_s)
-        except ray_errors.RayActorError:
+        except ray_errors.RayActorError as exc:
+            clear_ray_frames(exc)
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
@@ -282,6 +286,16 @@ def _lease(handle: DataHandle, mode: str, timeout: float | None) -> LocalLease:
     """A local lease on ``handle``'s bytes on this node (bringing them over if remote)."""
     if not isinstance(handle, DataHandle):
         raise TypeError(f"expected a DataHandle, got {type(handle).__name__}")
+    try:
+        return _lease_once(handle, mode, timeout)
+    except AgentDied:
+        # This node's agent died (a remote owner's reference is consumed only after a fetch
+        # succeeds): ask the node's fresh agent once. A handle the dead agent owned is gone
+        # and says so (HandleNotFound).
+        return _lease_once(handle, mode, timeout)
+
+
+def _lease_once(handle: DataHandle, mode: str, timeout: float | None) -> LocalLease:
     state = _process()
     bound, which = _fetch_bound(timeout, state.config)
     if handle.worker_id == state.worker_id:

@@ -9,6 +9,7 @@ deadline and maps Ray's errors to ours once, here: a dead owner actor or node is
 from __future__ import annotations
 
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,22 @@ from ray import exceptions as ray_errors
 from ray_velo.errors import OwnerDied, TransferTimeout, VeloError
 from ray_velo.protocol import DataHandle, PullRequest, encode
 
-__all__ = ["Deadline", "call_owner", "map_ray_error", "pull_chunks"]
+__all__ = ["Deadline", "call_owner", "clear_ray_frames", "map_ray_error", "pull_chunks"]
+
+
+def clear_ray_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in a Ray error's traceback.
+
+    ``ray.get`` frames keep the error itself in their locals, a cycle that keeps every
+    caller frame alive (through ``f_back``) until the cyclic GC runs: a caller's zero-copy
+    view, and with it a read lease, would outlive the caller. Clearing the finished frames
+    breaks the cycle at once.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +85,11 @@ def call_owner(ref: Any, deadline: Deadline, handle: DataHandle, node: str) -> A
     try:
         return ray.get(ref, timeout=deadline.remaining())
     except ray_errors.GetTimeoutError as exc:
+        clear_ray_frames(exc)
         ray.cancel(ref)
         raise deadline.timeout_error(handle) from exc
     except ray_errors.RayError as exc:
+        clear_ray_frames(exc)
         mapped = map_ray_error(exc, handle, node)
         if mapped is exc:
             raise

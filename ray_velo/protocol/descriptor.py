@@ -80,7 +80,8 @@ class RdmaDescriptor:
             DescriptorError: for any malformed input (and only that).
         """
         try:
-            data = bytes(blob)
+            # memoryview, not bytes(): bytes(n) of an int would allocate n zero bytes.
+            data = memoryview(blob).tobytes()
         except Exception as exc:  # a non-buffer: still only DescriptorError escapes
             raise DescriptorError(reason=f"not a byte string: {type(blob).__name__}") from exc
         if len(data) < DESCRIPTOR_HEADER_BYTES:

@@ -235,7 +235,8 @@ def _from_wire(cls: type[Message], wire: Any) -> Message:
 
 def _unpack(data: bytes | bytearray | memoryview) -> Any:
     try:
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        # memoryview, not bytes(): bytes(n) of an int would allocate n zero bytes.
+        return msgpack.unpackb(memoryview(data).tobytes(), raw=False, strict_map_key=True)
     except Exception as exc:
         raise ProtocolError(f"control message does not decode as msgpack: {exc}") from exc
 

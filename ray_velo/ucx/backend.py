@@ -67,6 +67,7 @@ class UcxRdmaBackend:
         self.registrar = UcxRegistrar(self.context)
         self._lock = threading.Lock()
         self._peer_addresses: dict[str, bytes] = {}
+        self._peer_workers: dict[str, int] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._last_used: dict[str, float] = {}
         self._generation = itertools.count(1)
@@ -74,12 +75,18 @@ class UcxRdmaBackend:
 
     # --- peers -----------------------------------------------------------------------
 
-    def register_peer(self, node: str, address: bytes) -> None:
-        """Learn a peer agent's worker address; with eager_endpoints, wire up now."""
+    def register_peer(self, node: str, worker_id: int, address: bytes) -> None:
+        """Learn a peer agent's worker address; with eager_endpoints, wire up now.
+
+        ``worker_id`` names the peer's incarnation: a restarted agent on the same node has
+        a new one, and handles of the old one must not be offered RDMA to the new address.
+        """
         with self._lock:
             if self._peer_addresses.get(node) == address:
+                self._peer_workers[node] = worker_id
                 return
             self._peer_addresses[node] = bytes(address)
+            self._peer_workers[node] = worker_id
             stale = self._endpoints.pop(node, None)
         if stale is not None:
             stale.close()
@@ -89,14 +96,18 @@ class UcxRdmaBackend:
             except UcxError:  # a hint only: the first GET wires up lazily instead
                 _log.info("eager endpoint to %s failed; wiring up lazily", node, exc_info=True)
 
-    def peer_registered(self, node: str) -> bool:
+    def peer_registered(self, node: str, worker_id: int | None = None) -> bool:
+        """Whether UCX is registered for that peer (and that incarnation, if given)."""
         with self._lock:
-            return node in self._peer_addresses
+            if node not in self._peer_addresses:
+                return False
+            return worker_id is None or self._peer_workers.get(node) == worker_id
 
     def forget_peer(self, node: str) -> None:
         """The peer agent died or restarted: drop its address and endpoint."""
         with self._lock:
             self._peer_addresses.pop(node, None)
+            self._peer_workers.pop(node, None)
             endpoint = self._endpoints.pop(node, None)
         if endpoint is not None:
             endpoint.close()

@@ -91,4 +91,62 @@ def velo(cluster: Cluster) -> Iterator[None]:
         if all(state[n] == (before[n], 0) for n in state) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert all(state[n] == (before[n], 0) for n in state), (before, state)
+    assert all(state[n] == (before[n], 0) for n in state), (
+        before,
+        state,
+        {n: i["slots"] for n, i in infos.items()},
+    )
+
+
+def restart_agent(
+    node: str, config: VeloConfig | None = None, env: dict[str, str] | None = None
+) -> None:
+    """Replace ``node``'s agent with a fresh one (its own config and environment).
+
+    Everything the old agent staged is lost; the driver's cached view of its own node's
+    agent is dropped so its next call finds the new one.
+    """
+    import time
+
+    from ray_velo import api
+    from ray_velo.actors import agent_name, ensure_agent, find_agent, NAMESPACE
+    from ray_velo.actors.directory import RendezvousActor, register_all_peers
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node_ids()[node]
+    try:
+        old = find_agent(node_id)
+        ray.get(old.shutdown.remote(), timeout=30)
+        ray.kill(old)
+    except ValueError:
+        pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            find_agent(node_id)
+        except ValueError:
+            break
+        time.sleep(0.1)
+    options: dict[str, Any] = {
+        "name": agent_name(node_id),
+        "namespace": NAMESPACE,
+        "lifetime": "detached",
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    agent = RendezvousActor.options(**options).remote(config or TEST_CONFIG, node_id)
+    ray.get(agent.ping.remote(), timeout=60)
+    api._forget_agent()
+    register_all_peers()
+    assert ensure_agent(node_id) is not None
+
+
+def path_counts(node: str) -> dict[str, int]:
+    """The node agent's velo_rendezvous_rdma_path_total, as {"path/reason": n}."""
+    return dict(agent_info(node)["metrics"]["velo_rendezvous_rdma_path_total"])
+
+
+def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    keys = set(before) | set(after)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}

@@ -112,14 +112,14 @@ def test_rdma_min_bytes_at_the_threshold_does_not_warn() -> None:
     ("build", "field_name", "value"),
     [
         (lambda: RdmaRendezvousConfig(rdma_min_bytes=-1), "rdma_min_bytes", -1),
-        (lambda: RdmaRendezvousConfig(rdma_min_bytes=1.5), "rdma_min_bytes", 1.5),
+        (lambda: RdmaRendezvousConfig(rdma_min_bytes=1.5), "rdma_min_bytes", 1.5),  # type: ignore[arg-type]
         (lambda: RdmaRendezvousConfig(lease_timeout=0), "lease_timeout", 0),
         (lambda: RdmaRendezvousConfig(lease_timeout=-3.0), "lease_timeout", -3.0),
-        (lambda: RdmaRendezvousConfig(lease_timeout="30"), "lease_timeout", "30"),
+        (lambda: RdmaRendezvousConfig(lease_timeout="30"), "lease_timeout", "30"),  # type: ignore[arg-type]
         (lambda: RdmaPoolConfig(initial_arena_bytes=0), "initial_arena_bytes", 0),
         (lambda: RdmaPoolConfig(max_arena_bytes=-1), "max_arena_bytes", -1),
         (lambda: RdmaPoolConfig(dedicated_arena_min=True), "dedicated_arena_min", True),
-        (lambda: RdmaPoolConfig(registered_bytes_budget=1.0), "registered_bytes_budget", 1.0),
+        (lambda: RdmaPoolConfig(registered_bytes_budget=1.0), "registered_bytes_budget", 1.0),  # type: ignore[arg-type]
         (lambda: RdmaPoolConfig(retain_arena_bytes=-4096), "retain_arena_bytes", -4096),
         (lambda: RdmaPoolConfig(arena_reclaim_after=0), "arena_reclaim_after", 0),
         (

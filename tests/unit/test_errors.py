@@ -31,7 +31,11 @@ FIELDS: dict[str, dict[str, Any]] = {
     "ConfigError": {"field": "lease_timeout", "value": -1.0, "rule": "must be > 0 seconds"},
     "DescriptorError": {"reason": "3 trailing bytes after the key"},
     "HandleError": {"handle": "00000000deadbeef:7"},
-    "HandleNotFound": {"handle": "00000000deadbeef:7", "node": "node-a", "reason": "its TTL expired"},
+    "HandleNotFound": {
+        "handle": "00000000deadbeef:7",
+        "node": "node-a",
+        "reason": "its TTL expired",
+    },
     "HandleReleased": {"handle": "00000000deadbeef:7", "allowed": 1, "option": "consumers=N"},
     "LeaseNotFound": {"handle": "00000000deadbeef:7", "lease_id": 42},
     "MemoryError_": {"requested_bytes": 4096},

@@ -1,0 +1,441 @@
+"""Side-by-side benchmarks: ray_velo against Ray's object store and the raw UCX ceiling.
+
+Everything runs in one process tree, one run, on one embedded two-node cluster
+(``ray.cluster_utils.Cluster``: two raylets on this machine, each its own node with its own
+object store), so the ratios compare like with like on a shared, noisy machine. Absolute
+numbers mean little here; ratios measured side by side do.
+
+Columns (per payload size, medians over repetitions, GB/s = 1e9 bytes/s):
+
+* ``ray``: Ray's object store end to end: ``ray.put`` on node a, ``ray.get`` + touch on b.
+* ``velo_chunked``: ray_velo end to end over the chunked path (staged in plain memory):
+  ``rv.put`` on node a, ``rv.fetch`` + touch on node b.
+* ``velo_rdma``: the same, staged pinned: the consumer agent GETs with UCX.
+* ``get_leg``: the RDMA GET alone (the consumer agent's GET duration).
+* ``ucx_raw``: the ceiling: a bare UCX GET between two processes over the same transport
+  and the same kind of memory (``/dev/shm`` segments), no Ray at all.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+
+__all__ = ["BenchRow", "demo", "run_bench", "ucx_raw_get"]
+
+
+@dataclass
+class BenchRow:
+    """Medians for one payload size (seconds; GB/s derived)."""
+
+    size_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
+
+    def gbps(self, column: str) -> float | None:
+        t = self.seconds.get(column)
+        return None if not t else self.size_bytes / t / 1e9
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["gbps"] = {c: self.gbps(c) for c in self.seconds}
+        return out
+
+
+def _touch(array: Any) -> int:
+    """Read every page (a materialized fetch, not a lazy view)."""
+    flat = np.asarray(array).reshape(-1).view(np.uint8)
+    return int(flat[::4096].sum()) + (int(flat[-1]) if flat.size else 0)
+
+
+# --- the two-node cluster ------------------------------------------------------------------
+
+
+class _Cluster:
+    """An embedded two-node Ray cluster with ray_velo on both nodes."""
+
+    def __init__(self, object_store_bytes: int, config: Any = None) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        import ray_velo as rv
+
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        node = {"num_cpus": 2, "object_store_memory": object_store_bytes}
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={**node, "resources": {"node_a": 4}, "include_dashboard": False},
+        )
+        self.cluster.add_node(**node, resources={"node_b": 4})
+        self.cluster.wait_for_nodes()
+        ray.init(address=self.cluster.address, log_to_driver=False)
+        rv.init(config)
+        self.producer = _Producer.options(resources={"node_a": 1}).remote()  # type: ignore[attr-defined]
+        self.consumer = _Consumer.options(resources={"node_b": 1}).remote()  # type: ignore[attr-defined]
+        ray.get([self.producer.ready.remote(), self.consumer.ready.remote()])
+
+    def close(self) -> None:
+        import ray
+
+        import ray_velo as rv
+
+        rv.shutdown()
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def _remote_classes() -> tuple[Any, Any]:
+    import ray
+
+    import ray_velo as rv
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def ready(self) -> bool:
+            return True
+
+        def make(self, nbytes: int, full_crc: bool = False) -> int:
+            self.array = (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
+            return zlib.crc32(self.array if full_crc else self.array[: 1 << 20])
+
+        def ray_put(self) -> tuple[list[Any], float]:
+            started = time.perf_counter()
+            ref = ray.put(self.array)
+            return [ref], time.perf_counter() - started
+
+        def velo_put(self, pinned: bool) -> tuple[rv.DataHandle, float]:
+            started = time.perf_counter()
+            handle = rv.put(self.array, pinned=pinned)
+            return handle, time.perf_counter() - started
+
+        def drop(self) -> None:
+            self.array = None
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def ready(self) -> bool:
+            return True
+
+        def ray_get(self, refs: list[Any]) -> float:
+            started = time.perf_counter()
+            value = ray.get(refs[0])
+            _touch(value)
+            elapsed = time.perf_counter() - started
+            del value
+            return elapsed
+
+        def velo_fetch(self, handle: rv.DataHandle) -> tuple[float, float | None]:
+            agent = rv.api._process().agent
+            before = ray.get(agent.info.remote())["metrics"]
+            started = time.perf_counter()
+            value = rv.fetch(handle)
+            _touch(value)
+            elapsed = time.perf_counter() - started
+            del value
+            after = ray.get(agent.info.remote())["metrics"]
+            gets = after["velo_rendezvous_rdma_get_duration_seconds"]
+            gets0 = before["velo_rendezvous_rdma_get_duration_seconds"]
+            leg = gets["sum"] - gets0["sum"] if gets["count"] > gets0["count"] else None
+            return elapsed, leg
+
+        def ray_get_crc(self, refs: list[Any]) -> tuple[float, int]:
+            started = time.perf_counter()
+            value = ray.get(refs[0])
+            crc = zlib.crc32(value)
+            return time.perf_counter() - started, crc
+
+        def velo_fetch_crc(self, handle: rv.DataHandle) -> tuple[float, int]:
+            started = time.perf_counter()
+            crc = zlib.crc32(rv.fetch(handle))
+            return time.perf_counter() - started, crc
+
+        def path_counts(self) -> dict[str, int]:
+            agent = rv.api._process().agent
+            counts = ray.get(agent.info.remote())["metrics"]["velo_rendezvous_rdma_path_total"]
+            return dict(counts)
+
+    return Producer, Consumer
+
+
+_Producer: Any = None
+_Consumer: Any = None
+
+
+def _ensure_classes() -> None:
+    global _Producer, _Consumer
+    if _Producer is None:
+        _Producer, _Consumer = _remote_classes()
+
+
+# --- raw UCX ceiling ---------------------------------------------------------------------
+
+
+def _raw_owner(conn: Any, nbytes: int, shm_dir: str) -> None:
+    from ray_velo.memory.arena import ShmArena
+    from ray_velo.ucx.binding import MemoryRegistration, UcxContext, UcxWorker
+
+    context = UcxContext()
+    worker = UcxWorker(context)
+    arena = ShmArena(shm_dir, nbytes, 0xBE7C, prefault=True)
+    np.frombuffer(arena.view(0, nbytes), dtype=np.uint8)[:] = 7
+    registration = MemoryRegistration.from_address(context, arena.address, nbytes, keepalive=None)
+    conn.send((worker.address, arena.address, registration.packed_rkey))
+    conn.recv()  # the consumer is done
+    registration.close()
+    worker.close()
+    context.close()
+    arena.close()
+
+
+def _raw_consumer(conn: Any, nbytes: int, reps: int, shm_dir: str) -> None:
+    from ray_velo.memory.arena import ShmArena
+    from ray_velo.ucx.binding import Endpoint, RemoteKey, UcxContext, UcxWorker, get
+
+    address, remote_addr, rkey_blob = conn.recv()
+    context = UcxContext()
+    worker = UcxWorker(context)
+    arena = ShmArena(shm_dir, nbytes, 0xBE7D, prefault=True)
+    endpoint = Endpoint(worker, address)
+    rkey = RemoteKey(endpoint, rkey_blob)
+    get(endpoint, arena.address, min(nbytes, 4096), remote_addr, rkey, 30.0)  # wire up
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        get(endpoint, arena.address, nbytes, remote_addr, rkey, 60.0)
+        times.append(time.perf_counter() - started)
+    ok = bool(np.frombuffer(arena.view(0, nbytes), dtype=np.uint8)[:: 1 << 16].min() == 7)
+    rkey.close()
+    endpoint.close()
+    worker.close()
+    context.close()
+    arena.close()
+    conn.send((statistics.median(times), ok))
+
+
+def ucx_raw_get(nbytes: int, reps: int = 5, shm_dir: str = "/dev/shm") -> float:
+    """Median seconds of a bare UCX GET of ``nbytes`` between two fresh processes, from a
+    /dev/shm segment into a /dev/shm segment (what the agents do), same UCX settings."""
+    ctx = multiprocessing.get_context("spawn")
+    owner_end, owner_conn = ctx.Pipe()
+    consumer_end, consumer_conn = ctx.Pipe()
+    owner = ctx.Process(target=_raw_owner, args=(owner_conn, nbytes, shm_dir))
+    consumer = ctx.Process(target=_raw_consumer, args=(consumer_conn, nbytes, reps, shm_dir))
+    owner.start()
+    consumer.start()
+    try:
+        consumer_end.send(owner_end.recv())
+        seconds, ok = consumer_end.recv()
+        owner_end.send("done")
+    finally:
+        for process in (owner, consumer):
+            process.join(60)
+            if process.is_alive():
+                process.kill()
+    if not ok:
+        raise RuntimeError("raw UCX GET returned wrong bytes")
+    return float(seconds)
+
+
+# --- the runs ----------------------------------------------------------------------------
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    sys.stderr.flush()
+    if done == total:
+        sys.stderr.write("\n")
+
+
+def default_sizes(shm_free_bytes: int) -> list[int]:
+    """1 MiB ... 1 GiB, keeping what fits this machine's /dev/shm several times over."""
+    sizes = [MiB * s for s in (1, 4, 16, 64, 256, 1024)]
+    return [s for s in sizes if s * 6 < shm_free_bytes]
+
+
+def run_bench(
+    sizes: Sequence[int],
+    reps: int = 5,
+    *,
+    with_ucx_raw: bool = True,
+    progress: Callable[[int, int, str], None] = _progress,
+) -> list[BenchRow]:
+    """Measure every column for every size, side by side, in one run."""
+    import ray
+
+    _ensure_classes()
+    largest = max(sizes)
+    cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest))
+    rows: list[BenchRow] = []
+    steps = len(sizes) * (reps + 1) + (len(sizes) if with_ucx_raw else 0)
+    step = 0
+    try:
+        for size in sizes:
+            ray.get(cluster.producer.make.remote(size))
+            samples: dict[str, list[float]] = {
+                "ray": [], "velo_chunked": [], "velo_rdma": [], "get_leg": []
+            }
+            paths_before = ray.get(cluster.consumer.path_counts.remote())
+            for rep in range(reps + 1):  # the first round warms up and is not counted
+                refs, put_s = ray.get(cluster.producer.ray_put.remote())
+                get_s = ray.get(cluster.consumer.ray_get.remote(refs))
+                del refs
+                handle, vput_s = ray.get(cluster.producer.velo_put.remote(False))
+                vfetch_s, _ = ray.get(cluster.consumer.velo_fetch.remote(handle))
+                handle, rput_s = ray.get(cluster.producer.velo_put.remote(True))
+                rfetch_s, leg_s = ray.get(cluster.consumer.velo_fetch.remote(handle))
+                if rep:
+                    samples["ray"].append(put_s + get_s)
+                    samples["velo_chunked"].append(vput_s + vfetch_s)
+                    samples["velo_rdma"].append(rput_s + rfetch_s)
+                    if leg_s is not None:
+                        samples["get_leg"].append(leg_s)
+                step += 1
+                progress(step, steps, f"{size // MiB} MiB rep {rep}")
+            row = BenchRow(size)
+            for column, values in samples.items():
+                if values:
+                    row.seconds[column] = statistics.median(values)
+            after = ray.get(cluster.consumer.path_counts.remote())
+            row.paths = {
+                k: str(after.get(k, 0) - paths_before.get(k, 0))
+                for k in after
+                if after.get(k, 0) != paths_before.get(k, 0)
+            }
+            ray.get(cluster.producer.drop.remote())
+            rows.append(row)
+    finally:
+        cluster.close()
+    if with_ucx_raw:
+        for row in rows:
+            try:
+                row.seconds["ucx_raw"] = ucx_raw_get(row.size_bytes, reps)
+            except Exception as exc:  # the ceiling is informative, never fatal
+                sys.stderr.write(f"\nraw UCX GET unavailable: {exc}\n")
+            step += 1
+            progress(step, steps, f"raw UCX {row.size_bytes // MiB} MiB")
+    return rows
+
+
+COLUMNS = ("ray", "velo_chunked", "velo_rdma", "get_leg", "ucx_raw")
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """The results as a text table: GB/s per column, then the ratios that matter."""
+    head = f"{'size':>9} " + " ".join(f"{c:>13}" for c in COLUMNS)
+    head += f" {'chunked/ray':>12} {'rdma/ray':>9} {'leg/raw':>8}"
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        cells = []
+        for column in COLUMNS:
+            value = row.gbps(column)
+            cells.append(f"{value:>8.2f} GB/s" if value is not None else f"{'-':>13}")
+
+        def ratio(a: str, b: str) -> str:
+            x, y = row.gbps(a), row.gbps(b)
+            return f"{x / y:.2f}x" if x and y else "-"
+
+        size = f"{row.size_bytes // MiB} MiB"
+        lines.append(
+            f"{size:>9} "
+            + " ".join(cells)
+            + f" {ratio('velo_chunked', 'ray'):>12} {ratio('velo_rdma', 'ray'):>9}"
+            + f" {ratio('get_leg', 'ucx_raw'):>8}"
+        )
+    lines.append("")
+    lines.append(
+        "end to end = put on node a + fetch (or ray.get) and touch on node b; "
+        "get_leg = the consumer agent's UCX GET alone; ucx_raw = bare UCX GET between two "
+        "processes, same transport and /dev/shm memory."
+    )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[BenchRow], path: str) -> None:
+    """A PNG of GB/s against payload size, one line per column."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for column in COLUMNS:
+        points = [(r.size_bytes / MiB, r.gbps(column)) for r in rows if r.gbps(column)]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", label=column)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("payload (MiB)")
+    ax.set_ylabel("throughput (GB/s)")
+    ax.set_title("ray_velo vs Ray object store vs raw UCX (one run, two local Ray nodes)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
+    """A producer actor on node a hands a large array to a consumer actor on node b,
+    through Ray's object store and through ray_velo; bytes verified; a short report.
+
+    Each round times put on the producer plus fetch and a full read on the consumer
+    (the array itself is made beforehand, untimed).
+    """
+    import ray
+
+    _ensure_classes()
+    cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * size_bytes))
+    lines = []
+    try:
+        expected = ray.get(cluster.producer.make.remote(size_bytes, True))
+        best: dict[str, float] = {}
+        verified: dict[str, bool] = {}
+        for _ in range(rounds):
+            refs, put_s = ray.get(cluster.producer.ray_put.remote())
+            get_s, crc = ray.get(cluster.consumer.ray_get_crc.remote(refs))
+            del refs
+            best["ray"] = min(best.get("ray", 1e9), put_s + get_s)
+            verified["ray"] = crc == expected
+            handle, vput_s = ray.get(cluster.producer.velo_put.remote(True))
+            fetch_s, crc = ray.get(cluster.consumer.velo_fetch_crc.remote(handle))
+            best["velo"] = min(best.get("velo", 1e9), vput_s + fetch_s)
+            verified["velo"] = crc == expected
+        paths = ray.get(cluster.consumer.path_counts.remote())
+        taken = "rdma (UCX GET)" if paths.get("rdma/ok") else "chunked (Ray calls)"
+        lines.append(f"payload: {size_bytes / MiB:.0f} MiB numpy array, node a -> node b")
+        for through, label in (("ray", "Ray object store"), ("velo", f"ray_velo, {taken}")):
+            seconds = best[through]
+            lines.append(
+                f"  {label:<32} {seconds * 1e3:8.1f} ms  {size_bytes / seconds / 1e9:6.2f} GB/s"
+                f"  bytes {'verified' if verified[through] else 'WRONG'}"
+            )
+        lines.append(
+            f"  ray_velo: {best['ray'] / best['velo']:.1f}x Ray's object store "
+            f"(best of {rounds}; put on node a + fetch and full read on node b)"
+        )
+        lines.append(f"  consumer-side path decisions: {paths}")
+        if not all(verified.values()):
+            raise RuntimeError("\n".join(lines))
+    finally:
+        cluster.close()
+    return "\n".join(lines)
+
+
+def shm_free_bytes(directory: str = "/dev/shm") -> int:
+    st = os.statvfs(directory if os.path.isdir(directory) else tempfile.gettempdir())
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,114 @@
+"""``ray-velo``: the demo, the benchmark, and a look at (or the end of) a cluster's agents.
+
+    ray-velo demo [--size-mib 256]
+    ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
+    ray-velo status [--address auto]
+    ray-velo stop [--address auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+MiB = 1 << 20
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ray_velo.bench import demo
+
+    print(f"ray_velo demo: two local Ray nodes, a {args.size_mib} MiB array from a producer "
+          "task on node a to a consumer task on node b", flush=True)
+    print(demo(args.size_mib * MiB))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ray_velo.bench import default_sizes, format_table, plot, run_bench, shm_free_bytes
+
+    if args.sizes:
+        sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
+    else:
+        sizes = default_sizes(shm_free_bytes())
+    rows = run_bench(sizes, args.reps, with_ucx_raw=not args.no_ucx_raw)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([row.as_dict() for row in rows], f, indent=2)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(rows, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'ray-velo[plot]'", file=sys.stderr)
+            return 1
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _connect(address: str) -> None:
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import ray
+
+    from ray_velo.actors import alive_node_ids, find_agent
+
+    _connect(args.address)
+    for node_id in alive_node_ids():
+        try:
+            info = ray.get(find_agent(node_id).info.remote(), timeout=30)
+        except ValueError:
+            print(f"{node_id}: no agent")
+            continue
+        print(
+            f"{node_id}: worker {info['worker_id']:016x} rdma={'on' if info['rdma'] else 'off'}"
+            f"{'' if info['rdma_enabled'] else ' (kill switch)'} slots={info['live_slots']} "
+            f"leases={info['live_leases']} staged={info['staged_bytes']} B "
+            f"registered={info['registered_bytes']} B"
+        )
+        for key, count in info["metrics"]["velo_rendezvous_rdma_path_total"].items():
+            print(f"    path {key}: {count}")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    import ray_velo as rv
+
+    _connect(args.address)
+    rv.shutdown(stop_ray=False)
+    print("ray_velo agents stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ray-velo", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="producer/consumer across two local Ray nodes")
+    demo.add_argument("--size-mib", type=int, default=256)
+    demo.set_defaults(run=_demo)
+    bench = sub.add_parser("bench", help="ray_velo vs Ray's object store vs raw UCX")
+    bench.add_argument("--sizes", help="payload sizes in MiB, comma separated (default 1..1024)")
+    bench.add_argument("--reps", type=int, default=5, help="repetitions per size (median)")
+    bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
+    bench.add_argument("--no-ucx-raw", action="store_true", help="skip the raw UCX ceiling")
+    bench.set_defaults(run=_bench)
+    for name, run, text in (
+        ("status", _status, "each node's agent: slots, leases, path decisions"),
+        ("stop", _stop, "stop every agent of a running cluster"),
+    ):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("--address", default="auto", help="Ray cluster address")
+        command.set_defaults(run=run)
+    args = parser.parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The RDMA path between two agents on a real two-node cluster (UCX over cma/tcp here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import zlib
+
+import numpy as np
+import pytest
+import ray
+
+import ray_velo as rv
+from ray_velo.actors.directory import register_all_peers
+from ray_velo.config import MiB, RdmaConfig, UcxConfig
+from ray_velo.ucx.loader import ucx_available
+from tests.on_ray.conftest import (
+    TEST_CONFIG,
+    agent_info,
+    moved,
+    node_ids,
+    path_counts,
+    restart_agent,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.multinode, pytest.mark.ucx]
+
+if not ucx_available()[0]:
+    pytest.skip(f"UCX unavailable: {ucx_available()[1]}", allow_module_level=True)
+
+ON_B = {"resources": {"node_b": 1}, "num_cpus": 0}
+
+
+@ray.remote(**ON_B)
+def crc_on_b(handle: rv.DataHandle) -> int:
+    data = rv.fetch(handle)
+    return zlib.crc32(data if isinstance(data, bytes) else np.ascontiguousarray(data))
+
+
+def pattern(nbytes: int) -> np.ndarray:
+    return (np.arange(nbytes, dtype=np.uint64) * 2654435761 % 251).astype(np.uint8)
+
+
+def test_cross_node_fetch_takes_the_rdma_path(velo: None) -> None:
+    """64 MiB staged pinned on node a, fetched on node b: one GET, proved by the
+    consumer's path="rdma",reason="ok" counter and the owner's ok; bytes verified."""
+    payload = pattern(64 * MiB)
+    a0, b0 = path_counts("node_a"), path_counts("node_b")
+    handle = rv.put(payload)
+    assert rv.metadata(handle).pinned
+    assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
+    assert moved(b0, path_counts("node_b")) == {"rdma/ok": 1}
+    assert moved(a0, path_counts("node_a")) == {"rdma/ok": 1}
+    metrics = agent_info("node_b")["metrics"]
+    assert metrics["velo_rendezvous_rdma_get_duration_seconds"]["count"] >= 1
+    assert agent_info("node_a")["metrics"]["velo_rdma_registered_bytes"] > 0
+
+
+def test_payload_below_rdma_min_bytes_answers_chunked(velo: None) -> None:
+    """A 32 KiB pinned slot is under rdma_min_bytes (64 KiB): the owner says below_min."""
+    payload = pattern(32 * 1024)
+    a0 = path_counts("node_a")
+    handle = rv.put(payload)
+    assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
+    assert moved(a0, path_counts("node_a")) == {"chunked/below_min": 1}
+
+
+def test_plain_memory_answers_not_pinned(velo: None) -> None:
+    payload = pattern(MiB)
+    a0 = path_counts("node_a")
+    handle = rv.register_data(payload)
+    assert not rv.metadata(handle).pinned
+    assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
+    assert moved(a0, path_counts("node_a")) == {"chunked/not_pinned": 1}
+
+
+def test_corrupt_descriptor_falls_back_to_chunks_exactly_once(velo: None) -> None:
+    """The owner's descriptor has a trailing byte: the consumer records decode_error,
+    detaches, acquires once more with no offer (owner: no_offer) and pulls chunks."""
+    payload = pattern(4 * MiB)
+    handle = rv.put(payload)
+    owner = rv.api._process().agent
+    ray.get(owner.inject_fault.remote("corrupt_descriptors", 1))
+    a0, b0 = path_counts("node_a"), path_counts("node_b")
+    assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
+    assert moved(b0, path_counts("node_b")) == {"chunked/decode_error": 1}
+    assert moved(a0, path_counts("node_a")) == {"rdma/ok": 1, "chunked/no_offer": 1}
+
+
+def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
+    """Node b's agent dies holding an RDMA lease: node a's reaper force-releases it
+    between 1 and 1.5 lease timeouts (2 s here) after the last renewal."""
+    from ray_velo.actors import find_agent
+
+    lease_timeout = TEST_CONFIG.rdma.rendezvous.lease_timeout
+    consumer = find_agent(node_ids()["node_b"])
+    ray.get(consumer.inject_fault.remote("stall_before_get_s", 60.0))
+    handle = rv.put(pattern(MiB))
+    reaped0 = agent_info("node_a")["metrics"]["velo_rendezvous_rdma_leases_reaped_total"]
+    ref = crc_on_b.remote(handle)
+    deadline = time.monotonic() + 20
+    while agent_info("node_a")["live_leases"] == 0:  # the RDMA lease is granted
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)  # a renewal or two go out
+    os.kill(agent_info("node_b")["pid"], 9)
+    killed = time.monotonic()
+    while agent_info("node_a")["metrics"]["velo_rendezvous_rdma_leases_reaped_total"] == reaped0:
+        assert time.monotonic() - killed < 5 * lease_timeout, "lease never reaped"
+        time.sleep(0.02)
+    elapsed = time.monotonic() - killed
+    # the last renewal went out at most lease_timeout/2 before the kill
+    assert 0.5 * lease_timeout - 0.2 <= elapsed <= 1.5 * lease_timeout + 0.3
+    # the consumer task retried on node b's fresh agent and consumed its reference; the
+    # reaped lease was the last thing holding the slot
+    assert ray.get(ref, timeout=30) == zlib.crc32(pattern(MiB))
+    with pytest.raises(rv.HandleNotFound, match="reaped"):
+        rv.metadata(handle)
+    register_all_peers()
+
+
+def test_owner_kill_switch_serves_chunks(velo: None) -> None:
+    """VELO_RDMA_RENDEZVOUS_DISABLE=1 on the owner: it stages pinned requests in plain
+    memory (kill_switch at staging) and answers every acquire chunked (kill_switch)."""
+    restart_agent("node_a", env={"VELO_RDMA_RENDEZVOUS_DISABLE": "1"})
+    try:
+        payload = pattern(4 * MiB)
+        a0, b0 = path_counts("node_a"), path_counts("node_b")
+        handle = rv.put(payload)
+        assert not rv.metadata(handle).pinned
+        assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
+        assert moved(a0, path_counts("node_a")) == {"chunked/kill_switch": 2}, (
+            agent_info("node_b")["rdma"],
+            agent_info("node_b")["rdma_enabled"],
+            moved(b0, path_counts("node_b")),
+        )
+        assert "rdma/ok" not in moved(b0, path_counts("node_b"))
+    finally:
+        restart_agent("node_a")
+
+
+def test_no_ucx_is_not_configured_and_still_correct(velo: None) -> None:
+    """A consumer node without UCX (simulated by config) offers nothing: it records
+    not_configured, the owner no_offer, and the bytes still arrive by chunks."""
+    no_ucx = dataclasses.replace(
+        TEST_CONFIG, rdma=dataclasses.replace(TEST_CONFIG.rdma, ucx=UcxConfig(enabled=False))
+    )
+    assert isinstance(no_ucx.rdma, RdmaConfig)
+    restart_agent("node_b", config=no_ucx)
+    try:
+        assert agent_info("node_b")["rdma"] is False
+        payload = pattern(4 * MiB)
+        a0, b0 = path_counts("node_a"), path_counts("node_b")
+        handle = rv.put(payload)
+        assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
+        assert moved(b0, path_counts("node_b")) == {"chunked/not_configured": 1}
+        assert moved(a0, path_counts("node_a")) == {"chunked/no_offer": 1}
+    finally:
+        restart_agent("node_b")
+
+
+def test_idle_agents_burn_almost_no_cpu(velo: None) -> None:
+    """With nothing to do, each agent (UCX progress thread included) uses < 1% of a core
+    over 10 s."""
+    pids = [agent_info(n)["pid"] for n in ("node_a", "node_b")]
+
+    def cpu_seconds(pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    start = [cpu_seconds(p) for p in pids]
+    time.sleep(10)
+    used = [cpu_seconds(p) - s for p, s in zip(pids, start, strict=True)]
+    assert all(u < 0.1 for u in used), f"agent CPU over 10 s: {used}"
