@@ -78,6 +78,9 @@ _log = logging.getLogger(__name__)
 
 #: How often the agent checks that local readers are still alive, while any exist (s).
 LIVENESS_INTERVAL_S = 1.0
+#: How long a pulled slot's memory stays out of the pool after its last chunk pull: Ray
+#: serializes a returned chunk view after the method returns (milliseconds for 16 MiB).
+PULL_GRACE_S = 1.0
 #: Floor of the consumer's RDMA lease renewal period (spec: 5 ms).
 RENEW_FLOOR_S = 0.005
 #: Upper bound on one ``plain`` arena of the unregistered pool (bytes).
@@ -259,6 +262,8 @@ class RendezvousAgent:
         self._peers: dict[str, Any] = {}
         self._regions: dict[int, _OwnedRegion] = {}
         self._arena_registrations_seen = 0
+        self._pulled_at: dict[int, float] = {}  # slot id -> last chunk pull (monotonic s)
+        self._grace: list[tuple[float, FreedSlot]] = []  # frees waiting out PULL_GRACE_S
         #: Fault injection for the fault tests only (see inject_fault); empty in production.
         self._faults: dict[str, float] = {}
         self._closed = False
@@ -348,10 +353,21 @@ class RendezvousAgent:
             self.metrics.registration("arena", self.budget.registered_bytes)
         self.metrics.set_registered(self.budget.registered_bytes)
 
-    def _release_memory(self, freed: FreedSlot, now: float) -> None:
-        """Return a freed slot's memory to its pool, unless a copy still reads it."""
+    def _release_memory(self, freed: FreedSlot, now: float, *, abandoned: bool = False) -> None:
+        """Return a freed slot's memory to its pool, unless a copy still reads it.
+
+        ``abandoned``: freed by a deadline (TTL, an expired lease), not by its consumers. A
+        chunk pulled in the last PULL_GRACE_S may then still be read by Ray serializing it
+        (a view of the arena); the memory waits out the grace on the ticker. A consumer's
+        own release comes after it received every chunk, so needs no grace.
+        """
         if self._reading[freed.slot_id] > 0:
             self._deferred.setdefault(freed.slot_id, []).append(freed)
+            return
+        pulled = self._pulled_at.pop(freed.slot_id, None)
+        if abandoned and pulled is not None and now < pulled + PULL_GRACE_S:
+            self._grace.append((pulled + PULL_GRACE_S, freed))
+            self._ticker.poke()
             return
         remote = self._copy_of.pop(freed.slot_id, None)
         if remote is not None and self._copies.get(remote) == DataHandle(self.worker_id, freed.slot_id):
@@ -361,11 +377,13 @@ class RendezvousAgent:
         elif isinstance(freed.location, _RegionSlot):
             freed.location.anchor.release()
 
-    def _release_all(self, freed: list[FreedSlot] | FreedSlot | None, now: float) -> None:
+    def _release_all(
+        self, freed: list[FreedSlot] | FreedSlot | None, now: float, *, abandoned: bool = False
+    ) -> None:
         if freed is None:
             return
         for item in freed if isinstance(freed, list) else [freed]:
-            self._release_memory(item, now)
+            self._release_memory(item, now, abandoned=abandoned)
 
     def _begin_read(self, slot_id: int) -> None:
         self._reading[slot_id] += 1
@@ -583,7 +601,13 @@ class RendezvousAgent:
         return None
 
     def _rv_pull(self, data: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """One chunk, copied out (the copy runs outside the lock, the memory held)."""
+        """One chunk.
+
+        A pool slot's chunk is returned as a view of the arena: Ray copies it into its
+        object store while serializing the return value, after this method returns, so
+        the slot's memory stays out of the pool for PULL_GRACE_S after its last pull (see
+        _release_memory). A region's chunk is copied here, under the region's copy gate.
+        """
         request = decode(PullRequest, data)
         now = time.monotonic()
         with self._lock:
@@ -597,6 +621,9 @@ class RendezvousAgent:
                 )
             length = min(chunk, slot.total_len - start)
             placement = slot.location
+            if isinstance(placement, Placement):
+                self._pulled_at[slot.slot_id] = now
+                return np.frombuffer(placement.view(), dtype=np.uint8, count=length, offset=start)
             self._begin_read(slot.slot_id)
         try:
             out = np.empty(length, dtype=np.uint8)
@@ -1019,7 +1046,10 @@ class RendezvousAgent:
             if self._closed:
                 return None
             result = self.store.sweep(now)
-            self._release_all(result.freed, now)
+            self._release_all(result.freed, now, abandoned=True)
+            due_frees = [freed for due, freed in self._grace if due <= now]
+            self._grace = [(due, freed) for due, freed in self._grace if due > now]
+            self._release_all(due_frees, now)
             self.metrics.leases_reaped(result.rdma_leases_reaped)
             pids = self.store.holder_pids() | {p.pid for p in self._reservations.values()}
             dead = {pid for pid in pids if pid and not _pid_alive(pid)}
@@ -1035,6 +1065,7 @@ class RendezvousAgent:
             self.plain_pool.reclaim(now)
             self.metrics.set_slots(self.store.live_slots, self.store.staged_bytes)
             due = [
+                min((d for d, _ in self._grace), default=None),
                 self.store.next_deadline(),
                 self.pinned_pool.next_reclaim_deadline(now),
                 self.plain_pool.next_reclaim_deadline(now),
@@ -1061,7 +1092,9 @@ class RendezvousAgent:
             now = time.monotonic()
             freed = self.store.clear()
             self._reading.clear()
-            self._release_all(freed, now)
+            self._pulled_at.clear()
+            self._release_all(freed + [f for _, f in self._grace], now)
+            self._grace.clear()
             for pending in self._reservations.values():
                 if pending.placement is not None:
                     self._free_placement(pending.placement, pending.pinned, now)

@@ -270,6 +270,7 @@ def run_bench(
     sizes: Sequence[int],
     reps: int = 5,
     *,
+    config: Any = None,
     with_ucx_raw: bool = True,
     progress: Callable[[int, int, str], None] = _progress,
 ) -> list[BenchRow]:
@@ -278,7 +279,7 @@ def run_bench(
 
     _ensure_classes()
     largest = max(sizes)
-    cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest))
+    cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest), config=config)
     rows: list[BenchRow] = []
     steps = len(sizes) * (reps + 1) + (len(sizes) if with_ucx_raw else 0)
     step = 0

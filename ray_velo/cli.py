@@ -32,7 +32,14 @@ def _bench(args: argparse.Namespace) -> int:
         sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     else:
         sizes = default_sizes(shm_free_bytes())
-    rows = run_bench(sizes, args.reps, with_ucx_raw=not args.no_ucx_raw)
+    from ray_velo.config import VeloConfig
+
+    config = VeloConfig()
+    if args.chunk_mib:
+        config = config.replace(chunk_size=int(args.chunk_mib * MiB))
+    if args.in_flight:
+        config = config.replace(pulls_in_flight=args.in_flight)
+    rows = run_bench(sizes, args.reps, config=config, with_ucx_raw=not args.no_ucx_raw)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
@@ -98,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
     bench.add_argument("--no-ucx-raw", action="store_true", help="skip the raw UCX ceiling")
+    bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
+    bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
     bench.set_defaults(run=_bench)
     for name, run, text in (
         ("status", _status, "each node's agent: slots, leases, path decisions"),

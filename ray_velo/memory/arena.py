@@ -372,6 +372,16 @@ class SegmentMap:
         _release_mapping(entry[0])
         return True
 
+    def prune_missing(self) -> int:
+        """Unmap cached segments whose file is gone (their owner unmapped and unlinked them).
+
+        A mapping keeps a deleted tmpfs file's memory alive; dropping it gives that memory
+        back once the last view into it goes. Returns how many were dropped.
+        """
+        with self._lock:
+            gone = [path for path in self._maps if not os.path.exists(path)]
+        return sum(self.unmap(path) for path in gone)
+
     def close_all(self) -> None:
         """Unmap every cached segment (deferred for those with exported views)."""
         with self._lock:

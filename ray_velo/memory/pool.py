@@ -337,6 +337,9 @@ class ArenaPool:
         self._records: dict[str, _ArenaRecord] = {}  # by arena path
         self._pooled: list[_ArenaRecord] = []  # oldest first
         self._leaked: list[_ArenaRecord] = []
+        #: Emptied dedicated arenas kept mapped (and registered) for reuse, oldest first.
+        self._warm: list[_ArenaRecord] = []
+        self._evicting: list[_ArenaRecord] = []
         self._closed = False
         self._registrations = 0
         self._arenas_reclaimed = 0
@@ -350,16 +353,16 @@ class ArenaPool:
 
     @property
     def registered_bytes(self) -> int:
-        """Bytes this pool has charged to the budget (live and leaked arenas)."""
+        """Bytes this pool has charged to the budget (live, warm and leaked arenas)."""
         with self._lock:
-            records = [*self._records.values(), *self._leaked]
+            records = [*self._records.values(), *self._warm, *self._evicting, *self._leaked]
         return sum(r.charged_bytes for r in records)
 
     @property
     def arenas(self) -> int:
-        """Arenas mapped now, pooled and dedicated (not counting leaked ones)."""
+        """Arenas mapped now, pooled, dedicated and warm (not counting leaked ones)."""
         with self._lock:
-            return len(self._records)
+            return len(self._records) + len(self._warm) + len(self._evicting)
 
     @property
     def pooled_arena_sizes(self) -> list[int]:
@@ -380,7 +383,9 @@ class ArenaPool:
     def mapped_bytes(self) -> int:
         """Bytes of every arena still mapped, leaked ones included."""
         with self._lock:
-            return sum(r.arena.nbytes for r in (*self._records.values(), *self._leaked))
+            return sum(
+                r.arena.nbytes for r in (*self._records.values(), *self._warm, *self._leaked)
+            )
 
     @property
     def registrations_total(self) -> dict[str, int]:
@@ -438,19 +443,34 @@ class ArenaPool:
                     return Fallback("pool_exhausted", nbytes, "pool closed")
                 if dedicated:
                     size = page_round_up(nbytes)
+                    warm = self._take_warm(size)
+                    if warm is not None:
+                        self._records[warm.arena.path] = warm
+                        return Placement(warm.arena, 0, nbytes, None, True, warm.registration)
                 else:
                     # Another thread may have mapped an arena while we waited for the lock.
                     placed = self._place(nbytes, granules)
                     if placed is not None:
                         return placed
                     size = self._next_arena_bytes(granules)
-                if self._budget is not None and not self._budget.reserve(size):
-                    return Fallback(
-                        "budget",
-                        nbytes,
-                        f"an arena of {size} bytes would pass registered_bytes_budget "
-                        f"({self._budget.registered_bytes} of {self._budget.budget_bytes} used)",
-                    )
+                reserved = self._budget is None or self._budget.reserve(size)
+                # Registrations are evicted by the byte budget, never by a timer (spec):
+                # warm arenas make room for a new one.
+                evicted = [] if reserved else (self._evict_warm_for(size) or [])
+            for record in evicted:
+                self._unmap(record)
+            if not reserved and evicted:
+                with self._lock:
+                    assert self._budget is not None
+                    reserved = self._budget.reserve(size)
+            if not reserved:
+                assert self._budget is not None
+                return Fallback(
+                    "budget",
+                    nbytes,
+                    f"an arena of {size} bytes would pass registered_bytes_budget "
+                    f"({self._budget.registered_bytes} of {self._budget.budget_bytes} used)",
+                )
             mapped = self._map_arena(size, dedicated, nbytes)
             if isinstance(mapped, Fallback):
                 return mapped
@@ -484,7 +504,10 @@ class ArenaPool:
                     if not record.dedicated:
                         raise ValueError(f"{placement} names a pooled arena as dedicated")
                     self._detach(record)
-                self._unmap(record)
+                    kept = self._keep_warm(record, now)
+                self._drain_evicting()
+                if not kept:
+                    self._unmap(record)
             return
         with self._lock:
             record = self._live_record(placement)
@@ -520,6 +543,13 @@ class ArenaPool:
                 victims = self._reclaimable(now)
                 for record in victims:
                     self._detach(record)
+                after = self._config.arena_reclaim_after
+                stale = [
+                    r for r in self._warm if r.empty_since is not None and now >= r.empty_since + after
+                ]
+                for record in stale:
+                    self._warm.remove(record)
+                victims += stale
             unmapped = 0
             for record in victims:
                 if self._unmap(record):
@@ -545,6 +575,7 @@ class ArenaPool:
                 if r.empty_since is not None
                 and mapped - r.arena.nbytes >= self._config.retain_arena_bytes
             ]
+            deadlines += [r.empty_since + after for r in self._warm if r.empty_since is not None]
         return min(deadlines) if deadlines else None
 
     # --- invariants and shutdown ---------------------------------------------------------
@@ -608,7 +639,9 @@ class ArenaPool:
                         start, end = registration.effective_range
                         _check(record.charged_bytes == end - start, f"arena {path} mischarged")
             if self._budget is not None:
-                own = sum(r.charged_bytes for r in (*self._records.values(), *self._leaked))
+                own = sum(
+                    r.charged_bytes for r in (*self._records.values(), *self._warm, *self._leaked)
+                )
                 _check(
                     self._budget.registered_bytes >= own,
                     f"budget holds {self._budget.registered_bytes} bytes, this pool alone "
@@ -632,6 +665,8 @@ class ArenaPool:
                 records = list(reversed(self._records.values()))
                 for record in records:
                     self._detach(record)
+                records += self._warm + self._evicting
+                self._warm, self._evicting = [], []
             for record in records:
                 self._unmap(record)
 
@@ -639,7 +674,7 @@ class ArenaPool:
         # A pool torn down without close(): registered pages must not be unmapped under the
         # backend, so keep them (the spec's leak, logged at error). Plain arenas just close.
         try:
-            records = list(self._records.values())
+            records = [*self._records.values(), *self._warm, *self._evicting]
         except AttributeError:  # __init__ failed
             return
         if self._closed or not records:
@@ -682,6 +717,64 @@ class ArenaPool:
             False,
             record.registration,
         )
+
+    def _keep_warm(self, record: _ArenaRecord, now: float) -> bool:
+        # _lock held. An emptied dedicated arena stays mapped for the next request of about
+        # its size (mapping, reserving and first-touch faulting a fresh one costs more than
+        # the copy it serves), up to warm_dedicated_bytes, oldest evicted first. No peer
+        # holds a descriptor into it: its slot's leases ended with the slot.
+        limit = self._config.warm_dedicated_bytes
+        size = record.arena.nbytes
+        if size > limit:
+            return False
+        held = sum(r.arena.nbytes for r in self._warm)
+        victims = []
+        for old in self._warm:
+            if held + size <= limit:
+                break
+            victims.append(old)
+            held -= old.arena.nbytes
+        for old in victims:
+            self._warm.remove(old)
+            self._evicting.append(old)
+        record.empty_since = now
+        self._warm.append(record)
+        return True
+
+    def _take_warm(self, size: int) -> _ArenaRecord | None:
+        # _lock held. The smallest warm arena that holds `size` with at most 1/8 to spare
+        # (the allocator's own bound on round-up waste).
+        fits = [r for r in self._warm if size <= r.arena.nbytes <= size + size // 8]
+        if not fits:
+            return None
+        record = min(fits, key=lambda r: r.arena.nbytes)
+        self._warm.remove(record)
+        record.empty_since = None
+        return record
+
+    def _evict_warm_for(self, size: int) -> list[_ArenaRecord] | None:
+        # _lock held, the budget refused `size`. Warm arenas (oldest first) whose release
+        # would make room; None if even all of them would not.
+        assert self._budget is not None
+        short = size - self._budget.available_bytes
+        victims: list[_ArenaRecord] = []
+        for record in self._warm:
+            if short <= 0:
+                break
+            victims.append(record)
+            short -= record.charged_bytes
+        if short > 0:
+            return None
+        for record in victims:
+            self._warm.remove(record)
+        return victims
+
+    def _drain_evicting(self) -> None:
+        # _map_lock held, _lock not: unmap warm arenas pushed out by newer ones.
+        with self._lock:
+            victims, self._evicting = self._evicting, []
+        for record in victims:
+            self._unmap(record)
 
     def _next_arena_bytes(self, granules: int) -> int:
         # _lock held. Double the newest mapped pooled arena, capped; the first is initial.

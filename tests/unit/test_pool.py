@@ -51,6 +51,7 @@ def small_config(**changes: object) -> RdmaPoolConfig:
         "registered_bytes_budget": 64 * MiB,
         "arena_reclaim_after": None,
         "retain_arena_bytes": 1 * MiB,
+        "warm_dedicated_bytes": 0,  # the spec's behaviour; warm reuse has its own tests
     }
     fields.update(changes)
     return RdmaPoolConfig(**fields)  # type: ignore[arg-type]
@@ -519,3 +520,47 @@ def test_a_send_does_not_wait_behind_a_registration(shm_dir: Path) -> None:
     assert pool.arenas == 2
     pool.validate()
     pool.close()
+
+
+def test_emptied_dedicated_arena_is_reused_warm(shm_dir: Path) -> None:
+    """With warm_dedicated_bytes set, a freed dedicated arena stays mapped and registered,
+    and the next request of about its size (at most 1/8 smaller) reuses it: no new file,
+    no new registration. A request it cannot serve maps a fresh arena."""
+    pool, registrar, budget = make_pool(shm_dir, small_config(warm_dedicated_bytes=16 * MiB))
+    assert budget is not None
+    first = placed(pool.allocate(6 * MiB, 0.0), registrar)
+    path = first.arena.path
+    pool.free(first, 1.0)
+    pool.validate()
+    assert os.path.exists(path) and pool.used_bytes == 0
+    assert budget.registered_bytes == first.arena.nbytes  # still registered: it is warm
+    again = placed(pool.allocate(6 * MiB - 4096, 2.0), registrar)
+    assert again.arena.path == path and pool.registrations_total["arena"] == 1
+    other = placed(pool.allocate(12 * MiB, 3.0), registrar)  # too big for the warm one
+    assert other.arena.path != path
+    pool.free(again, 4.0)
+    pool.free(other, 5.0)
+    pool.validate()
+    small = placed(pool.allocate(4 * MiB, 6.0), registrar)  # 6 MiB warm is > 1/8 too big
+    assert small.arena.path != path
+    pool.free(small, 7.0)
+    pool.close()
+    assert budget.registered_bytes == 0 and registrar.live == set()
+
+
+def test_warm_arenas_make_room_under_the_budget(shm_dir: Path) -> None:
+    """The budget is full of warm arenas: a new request evicts (unregisters) the oldest
+    instead of falling back to plain memory."""
+    pool, registrar, budget = make_pool(
+        shm_dir, small_config(warm_dedicated_bytes=16 * MiB), budget_bytes=16 * MiB
+    )
+    assert budget is not None
+    for size in (5 * MiB, 7 * MiB):
+        pool.free(placed(pool.allocate(size, 0.0), registrar), 0.0)
+    assert budget.registered_bytes == 12 * MiB
+    big = placed(pool.allocate(10 * MiB, 1.0), registrar)
+    pool.validate()
+    assert budget.registered_bytes <= 16 * MiB
+    pool.free(big, 2.0)
+    pool.close()
+    assert budget.registered_bytes == 0
