@@ -15,6 +15,7 @@ is never returned to the pool while a copy is still reading it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -30,21 +31,29 @@ from typing import Any
 import numpy as np
 
 from ray_velo import metrics
+from ray_velo.actors.ticker import Ticker
 from ray_velo.config import RdmaPoolConfig, VeloConfig
 from ray_velo.errors import (
     DescriptorError,
     HandleNotFound,
-    UcxError,
-    RegionDeregistered,
     OwnerDied,
     PayloadTooLarge,
     ProtocolError,
+    RegionDeregistered,
     StagingError,
+    UcxError,
     VeloError,
 )
 from ray_velo.memory.arena import ShmArena, remove_stale_segments
+from ray_velo.memory.pool import (
+    ArenaPool,
+    Fallback,
+    NoopRegistrar,
+    Placement,
+    Registrar,
+    RegistrationBudget,
+)
 from ray_velo.memory.region import DrainTimedOut, InFlight, Region
-from ray_velo.memory.pool import ArenaPool, Fallback, NoopRegistrar, Placement, RegistrationBudget
 from ray_velo.protocol import (
     AcquireRequest,
     DataHandle,
@@ -67,7 +76,6 @@ from ray_velo.protocol import (
     kill_switch_engaged,
 )
 from ray_velo.store import FreedSlot, Slot, SlotKind, SlotStore
-from ray_velo.actors.ticker import Ticker
 from ray_velo.transfer import Deadline, call_owner, pull_chunks
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
@@ -81,6 +89,7 @@ LIVENESS_INTERVAL_S = 1.0
 #: How long a pulled slot's memory stays out of the pool after its last chunk pull: Ray
 #: serializes a returned chunk view after the method returns (milliseconds for 16 MiB).
 PULL_GRACE_S = 1.0
+_EMPTY: SlotKind = "empty"
 #: Floor of the consumer's RDMA lease renewal period (spec: 5 ms).
 RENEW_FLOOR_S = 0.005
 #: Upper bound on one ``plain`` arena of the unregistered pool (bytes).
@@ -143,7 +152,15 @@ class _RegionSlot:
 
 
 _HANDLERS = frozenset(
-    {"_rv_metadata", "_rv_acquire", "_rv_pull", "_rv_ref", "_rv_detach", "_rv_release", "_rv_lease_renew"}
+    {
+        "_rv_metadata",
+        "_rv_acquire",
+        "_rv_pull",
+        "_rv_ref",
+        "_rv_detach",
+        "_rv_release",
+        "_rv_lease_renew",
+    }
 )
 
 
@@ -234,7 +251,7 @@ class RendezvousAgent:
             config.rdma.pool,
             config.shm_dir,
             self.worker_id,
-            registrar=self.rdma.registrar if self.rdma is not None else self._noop_registrar,
+            registrar=self._registrar(),
             budget=self.budget,
             prefault=False,
         )
@@ -370,7 +387,9 @@ class RendezvousAgent:
             self._ticker.poke()
             return
         remote = self._copy_of.pop(freed.slot_id, None)
-        if remote is not None and self._copies.get(remote) == DataHandle(self.worker_id, freed.slot_id):
+        if remote is not None and self._copies.get(remote) == DataHandle(
+            self.worker_id, freed.slot_id
+        ):
             del self._copies[remote]
         if isinstance(freed.location, Placement):
             self._free_placement(freed.location, freed.pinned, now)
@@ -404,7 +423,7 @@ class RendezvousAgent:
         with self._lock:
             self._check_open()
             if nbytes == 0:
-                placement, kind, is_pinned = None, "empty", False
+                placement, kind, is_pinned = None, _EMPTY, False
             else:
                 placement, kind, is_pinned = self._allocate(nbytes, pinned, now)
             self._reservation_seq += 1
@@ -494,7 +513,9 @@ class RendezvousAgent:
         placement = slot.location
         handle = DataHandle(self.worker_id, slot.slot_id, self.node_id)
         if not isinstance(placement, Placement):
-            return LocalLease(handle, lease_id, "", 0, slot.total_len, slot.type_header, False, remote_lease_id)
+            return LocalLease(
+                handle, lease_id, "", 0, slot.total_len, slot.type_header, False, remote_lease_id
+            )
         return LocalLease(
             handle,
             lease_id,
@@ -629,7 +650,7 @@ class RendezvousAgent:
             out = np.empty(length, dtype=np.uint8)
             if length and isinstance(placement, _RegionSlot):
                 # never a view into caller memory: copy under the region's gate
-                placement.region.copy_into(placement.offset + start, memoryview(out))
+                placement.region.copy_into(placement.offset + start, out.data)
             elif length:
                 assert isinstance(placement, Placement)
                 source = np.frombuffer(placement.view(), dtype=np.uint8, count=length, offset=start)
@@ -691,7 +712,7 @@ class RendezvousAgent:
             self._ticker.poke()
             return RegionInfo(region.region_id, arena.path, nbytes, region.effective_range)
 
-    def _registrar(self) -> Any:
+    def _registrar(self) -> Registrar:
         return self.rdma.registrar if self.rdma is not None else self._noop_registrar
 
     def _publish_registered(self) -> None:
@@ -911,7 +932,9 @@ class RendezvousAgent:
         if limit is not None and answer.total_len > limit:
             # Refuse before allocating: release so the owner frees its staged copy.
             actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
-            raise PayloadTooLarge(handle=str(handle), size_bytes=answer.total_len, limit_bytes=limit)
+            raise PayloadTooLarge(
+                handle=str(handle), size_bytes=answer.total_len, limit_bytes=limit
+            )
         now = time.monotonic()
         try:
             with self._lock:
@@ -943,7 +966,10 @@ class RendezvousAgent:
                         node,
                     )
                     retry = AcquireRequest(
-                        handle, rdma=None, lease_ms=deadline.budget_ms(), budget_ms=deadline.budget_ms()
+                        handle,
+                        rdma=None,
+                        lease_ms=deadline.budget_ms(),
+                        budget_ms=deadline.budget_ms(),
                     )
                     answer = decode_acquire_response(
                         call_owner(actor._rv_acquire.remote(encode(retry)), deadline, handle, node)
@@ -1100,10 +1126,9 @@ class RendezvousAgent:
                     self._free_placement(pending.placement, pending.pinned, now)
             self._reservations.clear()
             for owned in list(self._regions.values()):
-                try:
+                # RegionDeregistered: already deregistering on another thread
+                with contextlib.suppress(RegionDeregistered):
                     owned.region.deregister(0.0)
-                except RegionDeregistered:
-                    pass  # already deregistering on another thread
             self._regions.clear()
             self.pinned_pool.close()
             self.plain_pool.close()

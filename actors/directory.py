@@ -9,8 +9,8 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_velo.config import VeloConfig
 from ray_velo.actors.agent import RendezvousAgent
+from ray_velo.config import VeloConfig
 
 __all__ = [
     "NAMESPACE",
@@ -48,7 +48,7 @@ class _RendezvousActor(RendezvousAgent):
         )
 
 
-RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(
+RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(  # type: ignore[call-overload]
     _RendezvousActor
 )
 
@@ -80,14 +80,15 @@ def load_cluster_config() -> VeloConfig:
 
 
 def alive_node_ids() -> list[str]:
-    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return [n["NodeID"] for n in nodes if n.get("Alive")]
 
 
 def ensure_agent(node_id: str, config: VeloConfig | None = None) -> Any:
     """The agent of ``node_id``, created there if it does not exist yet (race-free)."""
     if config is None:
         config = load_cluster_config()
-    return RendezvousActor.options(  # type: ignore[no-any-return]
+    return RendezvousActor.options(
         name=agent_name(node_id),
         namespace=NAMESPACE,
         get_if_exists=True,
@@ -113,7 +114,11 @@ def register_all_peers(agents: dict[str, Any] | None = None, timeout_s: float = 
     if agents is None:
         agents = {node_id: find_agent(node_id) for node_id in alive_node_ids()}
     addresses = dict(
-        zip(agents, ray.get([a.ucx_address.remote() for a in agents.values()], timeout=timeout_s))
+        zip(
+            agents,
+            ray.get([a.ucx_address.remote() for a in agents.values()], timeout=timeout_s),
+            strict=False,
+        )
     )
     ray.get([a.register_peers.remote(addresses) for a in agents.values()], timeout=timeout_s)
 

@@ -11,6 +11,7 @@ Units: sizes in bytes, durations in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -29,14 +30,13 @@ from ray_velo.actors.directory import (
     agent_name,
     ensure_agent,
     ensure_agents,
-    store_cluster_config,
     load_cluster_config,
+    store_cluster_config,
 )
 from ray_velo.config import VeloConfig
-from ray_velo.errors import AgentDied, NotInitialized, RegionDeregistered, VeloError
+from ray_velo.errors import AgentDied, NotInitialized, RegionDeregistered
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
-from ray_velo.transfer import clear_ray_frames
 from ray_velo.protocol import (
     DataHandle,
     DetachRequest,
@@ -49,6 +49,7 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.transfer import clear_ray_frames
 
 __all__ = [
     "PinnedBuf",
@@ -195,7 +196,7 @@ def shutdown(*, stop_ray: bool | None = None) -> None:
     if state is not None:
         state.segments.close_all()
     agents = []
-    for node in ray.nodes():
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
         try:
             agents.append(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE))
         except ValueError:
@@ -273,8 +274,14 @@ def register_data_pinned(data: Any) -> DataHandle:
 
 
 def _fetch_bound(timeout: float | None, config: VeloConfig) -> tuple[float | None, str]:
-    bounds = [(t, name) for t, name in ((timeout, "caller timeout"),
-              (config.staged_fetch_timeout, "staged_fetch_timeout")) if t is not None]
+    bounds = [
+        (t, name)
+        for t, name in (
+            (timeout, "caller timeout"),
+            (config.staged_fetch_timeout, "staged_fetch_timeout"),
+        )
+        if t is not None
+    ]
     if not bounds:
         return None, "unbounded"
     return min(bounds)
@@ -327,10 +334,9 @@ class _LeasedBytes:
 
 
 def _end_lease(agent: Any, handle: DataHandle, lease_id: int, release: bool) -> None:
-    try:
+    # Interpreter or Ray shutting down: the agent reaps the leases of dead readers.
+    with contextlib.suppress(Exception):
         agent.local_end.remote(handle, lease_id, release)
-    except Exception:  # interpreter or Ray shutting down: the agent reaps dead readers
-        pass
 
 
 def _segment_view(state: _Process, path: str, offset: int, nbytes: int) -> memoryview:
@@ -454,10 +460,10 @@ class PinnedBuf:
         return int(self.array.nbytes)
 
     def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+
-        return memoryview(self.array)
+        return self.array.data
 
     def memoryview(self) -> memoryview:
-        return memoryview(self.array)
+        return self.array.data
 
     def typed(self) -> Any:
         """The staged object rebuilt over these bytes (zero-copy for numpy)."""
@@ -497,7 +503,7 @@ class PinnedWriter:
         self._finalizer.atexit = False
 
     def memoryview(self) -> memoryview:
-        return memoryview(self.array)
+        return self.array.data
 
     def close(self) -> None:
         """Give the buffer back to the pool."""
@@ -532,9 +538,7 @@ def get_into(handle: DataHandle, dest: Any, *, timeout: float | None = None) -> 
                 f"{lease.total_len} bytes"
             )
         if lease.total_len:
-            np.copyto(
-                target[: lease.total_len], np.frombuffer(_view_of(lease), dtype=np.uint8)
-            )
+            np.copyto(target[: lease.total_len], np.frombuffer(_view_of(lease), dtype=np.uint8))
     finally:
         if lease.handle != handle:
             _end_lease(state.agent, lease.handle, lease.lease_id, True)
@@ -606,14 +610,11 @@ class RegionGuard:
     def __del__(self) -> None:
         if not getattr(self, "_released", True):
             _log.warning(
-                "ray_velo region #%s dropped without unregister(): deregistering in the "
-                "background",
+                "ray_velo region #%s dropped without unregister(): deregistering in the background",
                 self.region_id,
             )
-            try:
+            with contextlib.suppress(Exception):
                 self._agent.region_unregister.remote(self.region_id, 30.0)
-            except Exception:
-                pass
 
 
 def alloc_region(nbytes: int) -> RegionGuard:

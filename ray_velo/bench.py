@@ -73,7 +73,7 @@ class _Cluster:
         import ray_velo as rv
 
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        node = {"num_cpus": 2, "object_store_memory": object_store_bytes}
+        node: dict[str, Any] = {"num_cpus": 2, "object_store_memory": object_store_bytes}
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={**node, "resources": {"node_a": 4}, "include_dashboard": False},
@@ -82,8 +82,8 @@ class _Cluster:
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, log_to_driver=False)
         rv.init(config)
-        self.producer = _Producer.options(resources={"node_a": 1}).remote()  # type: ignore[attr-defined]
-        self.consumer = _Consumer.options(resources={"node_b": 1}).remote()  # type: ignore[attr-defined]
+        self.producer = _Producer.options(resources={"node_a": 1}).remote()
+        self.consumer = _Consumer.options(resources={"node_b": 1}).remote()
         ray.get([self.producer.ready.remote(), self.consumer.ready.remote()])
 
     def close(self) -> None:
@@ -93,7 +93,7 @@ class _Cluster:
 
         rv.shutdown()
         ray.shutdown()
-        self.cluster.shutdown()
+        self.cluster.shutdown()  # type: ignore[no-untyped-call]
 
 
 def _remote_classes() -> tuple[Any, Any]:
@@ -108,7 +108,7 @@ def _remote_classes() -> tuple[Any, Any]:
 
         def make(self, nbytes: int, full_crc: bool = False) -> int:
             self.array = (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
-            return zlib.crc32(self.array if full_crc else self.array[: 1 << 20])
+            return zlib.crc32((self.array if full_crc else self.array[: 1 << 20]).data)
 
         def ray_put(self) -> tuple[list[Any], float]:
             started = time.perf_counter()
@@ -121,7 +121,7 @@ def _remote_classes() -> tuple[Any, Any]:
             return handle, time.perf_counter() - started
 
         def drop(self) -> None:
-            self.array = None
+            del self.array
 
     @ray.remote(num_cpus=0)
     class Consumer:
@@ -287,7 +287,10 @@ def run_bench(
         for size in sizes:
             ray.get(cluster.producer.make.remote(size))
             samples: dict[str, list[float]] = {
-                "ray": [], "velo_chunked": [], "velo_rdma": [], "get_leg": []
+                "ray": [],
+                "velo_chunked": [],
+                "velo_rdma": [],
+                "get_leg": [],
             }
             paths_before = ray.get(cluster.consumer.path_counts.remote())
             for rep in range(reps + 1):  # the first round warms up and is not counted
@@ -345,7 +348,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             value = row.gbps(column)
             cells.append(f"{value:>8.2f} GB/s" if value is not None else f"{'-':>13}")
 
-        def ratio(a: str, b: str) -> str:
+        def ratio(a: str, b: str, row: BenchRow = row) -> str:
             x, y = row.gbps(a), row.gbps(b)
             return f"{x / y:.2f}x" if x and y else "-"
 

@@ -1,9 +1,9 @@
 """``ray-velo``: the demo, the benchmark, and a look at (or the end of) a cluster's agents.
 
-    ray-velo demo [--size-mib 256]
-    ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
-    ray-velo status [--address auto]
-    ray-velo stop [--address auto]
+ray-velo demo [--size-mib 256]
+ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
+ray-velo status [--address auto]
+ray-velo stop [--address auto]
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ MiB = 1 << 20
 def _demo(args: argparse.Namespace) -> int:
     from ray_velo.bench import demo
 
-    print(f"ray_velo demo: two local Ray nodes, a {args.size_mib} MiB array from a producer "
-          "task on node a to a consumer task on node b", flush=True)
+    print(
+        f"ray_velo demo: two local Ray nodes, a {args.size_mib} MiB array from a producer "
+        "task on node a to a consumer task on node b",
+        flush=True,
+    )
     print(demo(args.size_mib * MiB))
     return 0
 

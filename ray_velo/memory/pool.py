@@ -545,7 +545,9 @@ class ArenaPool:
                     self._detach(record)
                 after = self._config.arena_reclaim_after
                 stale = [
-                    r for r in self._warm if r.empty_since is not None and now >= r.empty_since + after
+                    r
+                    for r in self._warm
+                    if r.empty_since is not None and now >= r.empty_since + after
                 ]
                 for record in stale:
                     self._warm.remove(record)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ray_velo.config import UcxConfig
 from ray_velo.errors import DescriptorError, UcxError
+from ray_velo.memory.pool import Registration
 from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
 from ray_velo.ucx.binding import Endpoint, MemoryRegistration, RemoteKey, UcxContext, UcxWorker
 from ray_velo.ucx.binding import get as ucx_get
@@ -37,7 +38,7 @@ class UcxRegistrar:
         self._context = context
         self.registrations_total = 0
 
-    def register(self, address: int, nbytes: int) -> MemoryRegistration:
+    def register(self, address: int, nbytes: int) -> Registration:
         """Map ``nbytes`` at ``address``; the caller keeps the pages until :meth:`unregister`."""
         registration = MemoryRegistration.from_address(
             self._context, address, nbytes, keepalive=None
@@ -45,8 +46,10 @@ class UcxRegistrar:
         self.registrations_total += 1
         return registration
 
-    def unregister(self, registration: Any) -> None:
+    def unregister(self, registration: Registration) -> None:
         """Unmap; returns only once UCX confirmed it (pages may then be freed)."""
+        if not isinstance(registration, MemoryRegistration):
+            raise TypeError(f"not a UCX registration: {registration!r}")
         registration.unmap()
 
 

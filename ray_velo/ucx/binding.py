@@ -733,6 +733,11 @@ class MemoryRegistration(_Node):
         self._keepalive = None  # confirmed: the pages may go now
         self._unmapped = True
 
+    @property
+    def packed_key(self) -> bytes:
+        """The packed remote key (the pool's ``Registration`` protocol name)."""
+        return self.packed_rkey
+
     def contains(self, address: int, nbytes: int) -> bool:
         """Whether ``[address, address + nbytes)`` lies inside the mapped range."""
         return self.address <= address and address + nbytes <= self.address + self.nbytes

@@ -108,10 +108,11 @@ def restart_agent(
     """
     import time
 
-    from ray_velo import api
-    from ray_velo.actors import agent_name, ensure_agent, find_agent, NAMESPACE
-    from ray_velo.actors.directory import RendezvousActor, register_all_peers
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_velo import api
+    from ray_velo.actors import NAMESPACE, agent_name, ensure_agent, find_agent
+    from ray_velo.actors.directory import RendezvousActor, register_all_peers
 
     node_id = node_ids()[node]
     try:
@@ -149,4 +150,6 @@ def path_counts(node: str) -> dict[str, int]:
 
 def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     keys = set(before) | set(after)
-    return {k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)}
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)
+    }

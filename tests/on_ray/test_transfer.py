@@ -72,6 +72,21 @@ def test_numpy_dtypes_shapes_orders_round_trip(velo: None, array: np.ndarray) ->
     np.testing.assert_array_equal(back, array)
 
 
+def test_torch_cpu_tensor_round_trip(velo: None) -> None:
+    """A CPU torch tensor comes back a tensor with its dtype and shape, on both nodes."""
+    torch = pytest.importorskip("torch", reason="SKIPPED (optional): torch is not installed")
+    tensor = torch.arange(3 * MiB // 4, dtype=torch.float32).reshape(3, -1)
+
+    @ray.remote(**ON_B)
+    def on_b(handle: rv.DataHandle) -> tuple[str, tuple[int, ...], float]:
+        value = rv.fetch(handle)
+        return type(value).__name__, tuple(value.shape), float(value.sum())
+
+    assert ray.get(on_b.remote(rv.put(tensor))) == ("Tensor", (3, MiB // 4), float(tensor.sum()))
+    local = rv.fetch(rv.put(tensor))
+    assert isinstance(local, torch.Tensor) and torch.equal(local, tensor)
+
+
 def test_bytes_like_round_trip(velo: None) -> None:
     for value in (b"abc", bytearray(b"\x00\x01"), memoryview(b"xyz" * 1000)):
         assert ray.get(fetch_on_b.remote(rv.put(value))) == bytes(value)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from ray_velo.actors.ticker import Ticker
 
 
