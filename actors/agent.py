@@ -826,10 +826,10 @@ class RendezvousAgent:
                 count += 1
         return count
 
-    def _learn_peer(self, actor: Any, node: str, deadline: Deadline) -> None:
+    def _learn_peer(self, actor: Any, node: str, worker_id: int, deadline: Deadline) -> None:
         """Cold start: after a first (chunked) fetch from an unknown owner, register it so
         later fetches offer RDMA."""
-        if self.rdma is None:
+        if self.rdma is None or self.rdma.peer_registered(node, worker_id):
             return
         try:
             worker_id, address = call_owner(
@@ -1001,7 +1001,7 @@ class RendezvousAgent:
                 actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
             raise
         if path == "chunked":
-            self._learn_peer(actor, node, deadline)
+            self._learn_peer(actor, node, handle.worker_id, deadline)
         if mode == "release":
             actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
         elif mode == "detach":
