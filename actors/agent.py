@@ -33,6 +33,7 @@ import numpy as np
 from ray_velo import metrics
 from ray_velo.actors.ticker import Ticker
 from ray_velo.config import RdmaPoolConfig, VeloConfig
+from ray_velo.consumer import Deadline, call_owner, pull_chunks
 from ray_velo.errors import (
     DescriptorError,
     HandleNotFound,
@@ -76,7 +77,6 @@ from ray_velo.protocol import (
     kill_switch_engaged,
 )
 from ray_velo.store import FreedSlot, Slot, SlotKind, SlotStore
-from ray_velo.transfer import Deadline, call_owner, pull_chunks
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
 

@@ -67,9 +67,17 @@ if TYPE_CHECKING:
         release,
         shutdown,
     )
+    from ray_velo.staging import (
+        StagedValue,
+        TransferOptions,
+        resolve,
+        resolve_stream,
+        transfer,
+    )
 
 __version__ = "0.1.0"
 
+_LAZY_STAGING = {"StagedValue", "TransferOptions", "resolve", "resolve_stream", "transfer"}
 _LAZY_API = {
     "PinnedBuf",
     "PinnedWriter",
@@ -116,8 +124,10 @@ __all__ = [
     "RegionDeregistered",
     "RegionGuard",
     "SharedMemoryTooSmall",
+    "StagedValue",
     "StagingError",
     "TransferError",
+    "TransferOptions",
     "TransferTimeout",
     "UcxConfig",
     "UcxError",
@@ -141,15 +151,19 @@ __all__ = [
     "register_data_in_region",
     "register_data_pinned",
     "release",
+    "resolve",
+    "resolve_stream",
     "shutdown",
+    "transfer",
 ]
 
 
 def __getattr__(name: str) -> Any:
     # The Ray-facing API loads on first use, so `import ray_velo` (and the pure protocol
     # core under it) never imports Ray.
-    if name in _LAZY_API:
-        value = getattr(importlib.import_module("ray_velo.api"), name)
+    if name in _LAZY_API or name in _LAZY_STAGING:
+        module = "ray_velo.api" if name in _LAZY_API else "ray_velo.staging"
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ray_velo' has no attribute {name!r}")

@@ -34,6 +34,7 @@ from ray_velo.actors.directory import (
     store_cluster_config,
 )
 from ray_velo.config import VeloConfig
+from ray_velo.consumer import clear_ray_frames
 from ray_velo.errors import AgentDied, NotInitialized, RegionDeregistered
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
@@ -49,7 +50,6 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
-from ray_velo.transfer import clear_ray_frames
 
 __all__ = [
     "PinnedBuf",

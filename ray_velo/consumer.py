@@ -1,4 +1,5 @@
-"""The consumer side of a transfer: calls to an owner under one deadline, and chunked pulls.
+"""The consumer side of a fetch (DESIGN.md's transfer.py; renamed so that the module does not
+shadow the public ``ray_velo.transfer`` decorator): calls to an owner under one deadline, and chunked pulls.
 
 Every call to an owner goes through :func:`call_owner`, which bounds it by the fetch's
 deadline and maps Ray's errors to ours once, here: a dead owner actor or node is

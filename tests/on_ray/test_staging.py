@@ -1,0 +1,254 @@
+"""@ray_velo.transfer on a real two-node cluster: transparent staging of arguments, results
+and streamed items between tasks and actors on different nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+import ray_velo as rv
+from ray_velo.config import KiB, MiB
+from tests.on_ray.conftest import agent_info
+from tests.on_ray.test_faults import used_bytes
+
+pytestmark = [pytest.mark.ray, pytest.mark.multinode]
+
+ON_A = {"resources": {"node_a": 1}, "num_cpus": 0}
+ON_B = {"resources": {"node_b": 1}, "num_cpus": 0}
+
+
+def crc(array: Any) -> int:
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8))
+
+
+@rv.transfer
+@ray.remote(**ON_A)
+def make(nbytes: int, seed: int = 0) -> dict[str, Any]:
+    big = np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+    return {"arrays": [big, big[: nbytes // 2]], "meta": ("small", np.arange(3)), "crc": crc(big)}
+
+
+@rv.transfer
+@ray.remote(**ON_B)
+def inspect_on_b(payload: dict[str, Any]) -> dict[str, Any]:
+    big, half = payload["arrays"]
+    return {
+        "types": [type(big).__name__, type(half).__name__, type(payload["meta"][1]).__name__],
+        "crc_ok": crc(big) == payload["crc"] and crc(half) == crc(big[: big.size // 2]),
+        "node": ray.get_runtime_context().get_node_id(),
+        "saw_handle": any(isinstance(x, rv.StagedValue) for x in (big, half)),
+    }
+
+
+def test_task_to_task_across_nodes_with_nested_containers(velo: None) -> None:
+    """A result dict holding a list of two large arrays and a small tuple goes from a task
+    on node a to a task on node b: the body sees arrays, never a handle, bytes verified."""
+    result = ray.get(inspect_on_b.remote(make.remote(4 * MiB)))
+    assert result["types"] == ["ndarray", "ndarray", "ndarray"]
+    assert result["crc_ok"] and not result["saw_handle"]
+    # the producer's staged values were single-use: consumed, so node a holds nothing
+    deadline = time.monotonic() + 5
+    while agent_info("node_a")["live_slots"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert agent_info("node_a")["live_slots"] == 0
+
+
+@rv.transfer
+@ray.remote(**ON_A)
+class Producer:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def batch(self, seed: int) -> np.ndarray:
+        return np.full(self.nbytes, seed % 251, dtype=np.uint8)
+
+    def echo_size(self, array: np.ndarray) -> int:
+        return int(array.nbytes)
+
+
+@rv.transfer
+@ray.remote(**ON_B)
+def total(array: np.ndarray) -> int:
+    return int(array.sum(dtype=np.int64))
+
+
+def test_actor_method_to_task(velo: None) -> None:
+    """An actor method's large result feeds a task on the other node; a large argument to
+    an actor method is staged by the caller (the driver)."""
+    producer = Producer.remote(2 * MiB)
+    assert ray.get(total.remote(producer.batch.remote(7))) == 7 * 2 * MiB
+    assert ray.get(producer.echo_size.remote(np.zeros(3 * MiB, dtype=np.uint8))) == 3 * MiB
+    ray.kill(producer.ray_handle)
+
+
+@rv.transfer
+@ray.remote(**ON_B)
+def seen_as(value: Any) -> str:
+    return "staged-then-resolved" if isinstance(value, np.ndarray) else type(value).__name__
+
+
+def test_threshold_boundary(velo: None) -> None:
+    """Exactly 256 KiB travels inline (no slot staged); 256 KiB + 1 byte is staged."""
+    staged0 = agent_info("node_a")["counters"]["slots_staged"]
+    ray.get(seen_as.remote(np.zeros(256 * KiB, dtype=np.uint8)))
+    assert agent_info("node_a")["counters"]["slots_staged"] == staged0
+    ray.get(seen_as.remote(np.zeros(256 * KiB + 1, dtype=np.uint8)))
+    assert agent_info("node_a")["counters"]["slots_staged"] == staged0 + 1
+
+
+@rv.transfer(consumers=3)
+@ray.remote(**ON_A)
+def fan_out_source() -> np.ndarray:
+    return np.arange(MiB, dtype=np.uint8)
+
+
+@ray.remote(**ON_B)
+def consume_staged(box: list[Any]) -> int:
+    return crc(rv.resolve(box[0]))
+
+
+def test_fan_out_to_three_consumers_then_a_fourth_is_refused(velo: None) -> None:
+    """consumers=3: three tasks resolve the same staged result; the fourth gets
+    HandleReleased naming the option to change."""
+    staged = ray.get(fan_out_source.remote())
+    assert isinstance(staged, rv.StagedValue) and staged.consumers == 3
+    expected = crc(np.arange(MiB, dtype=np.uint8))
+    assert ray.get([consume_staged.remote([staged]) for _ in range(3)]) == [expected] * 3
+    with pytest.raises(rv.HandleReleased, match="consumers="):
+        ray.get(consume_staged.remote([staged]))
+
+
+@rv.transfer(ttl=1.0)
+@ray.remote(**ON_A)
+def dropped() -> np.ndarray:
+    return np.ones(2 * MiB, dtype=np.uint8)
+
+
+def test_dropped_result_is_freed_by_its_ttl(velo: None) -> None:
+    """Nobody resolves a staged result: its TTL frees it, and the pool returns to baseline."""
+    before = used_bytes("node_a")
+    ref = dropped.remote()
+    ray.get(ref)
+    del ref
+    assert agent_info("node_a")["live_slots"] == 1
+    deadline = time.monotonic() + 10
+    while agent_info("node_a")["live_slots"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent_info("node_a")["live_slots"] == 0
+    assert used_bytes("node_a") == before
+
+
+@rv.transfer
+@ray.remote(num_returns="streaming", **ON_A)
+def stream(count: int, nbytes: int) -> Any:
+    for i in range(count):
+        yield np.full(nbytes, i, dtype=np.uint8)
+
+
+@ray.remote(**ON_B)
+def drain(count: int, nbytes: int) -> list[int]:
+    sums = []
+    for item in rv.resolve_stream(stream.remote(count, nbytes)):
+        sums.append(int(item[::4096].sum()) // max(1, len(item[::4096])))
+    return sums
+
+
+def test_streaming_generator_items_consumed_on_another_node(velo: None) -> None:
+    """10 items of 32 MiB streamed from node a, each resolved on node b as it arrives."""
+    assert ray.get(drain.remote(10, 32 * MiB)) == list(range(10))
+
+
+@ray.remote(**ON_B)
+def drain_until_error(count: int, nbytes: int) -> tuple[int, str]:
+    got = 0
+    try:
+        for _ in rv.resolve_stream(stream.remote(count, nbytes)):
+            got += 1
+    except rv.PayloadTooLarge as exc:
+        return got, str(exc)
+    return got, ""
+
+
+def test_payload_over_the_receivers_limit(velo: None) -> None:
+    """staged_payload_max is 96 MiB here: a task argument over it fails the task with both
+    sizes; a stream item over it ends that stream while another stream goes on."""
+    with pytest.raises(rv.PayloadTooLarge, match=str(97 * MiB)):
+        ray.get(seen_as.remote(np.zeros(97 * MiB, dtype=np.uint8)))
+    over, fine = drain_until_error.remote(3, 97 * MiB), drain.remote(3, MiB)
+    got, message = ray.get(over)
+    assert got == 0 and str(96 * MiB) in message
+    assert ray.get(fine) == [0, 1, 2]
+    deadline = time.monotonic() + 10  # refused items were released on the owner
+    while agent_info("node_a")["live_slots"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent_info("node_a")["live_slots"] == 0
+
+
+@ray.remote(**ON_A)
+def gate(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@rv.transfer(fetch_timeout=1.0)
+@ray.remote(**ON_B)
+def bounded(array: np.ndarray, _gate: Any) -> int:
+    return int(array.nbytes)
+
+
+def test_fetch_timeout_expires_against_a_stalled_owner(velo: None) -> None:
+    """The caller's fetch_timeout travels with the staged argument: the owner stalls
+    (SIGSTOP), the callee's fetch fails with TransferTimeout, and the TTL (the same bound)
+    frees the staged copy once the owner resumes."""
+    owner_pid = agent_info("node_a")["pid"]
+    # staged before the stall; the callee starts (and fetches) only after the gate task
+    ref = bounded.remote(np.ones(MiB, dtype=np.uint8), gate.remote(1.0))
+    os.kill(owner_pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(rv.TransferTimeout, match=r"1\.0 s"):
+            ray.get(ref, timeout=30)
+    finally:
+        os.kill(owner_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while agent_info("node_a")["live_slots"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agent_info("node_a")["live_slots"] == 0
+
+
+def test_wrong_decorator_order_fails_at_decoration_time() -> None:
+    """@transfer below @ray.remote is refused when the module loads, showing the order."""
+    with pytest.raises(TypeError, match=r"must sit above @ray\.remote"):
+
+        @ray.remote
+        @rv.transfer
+        def f(x: int) -> int:
+            return x
+
+    with pytest.raises(TypeError, match=r"must sit above @ray\.remote"):
+
+        @ray.remote
+        @rv.transfer
+        class A:
+            pass
+
+
+@rv.transfer
+@ray.remote(**ON_B, max_retries=1, retry_exceptions=True)
+def flaky(array: np.ndarray, marker: str) -> int:
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("first attempt fails after resolving its argument")
+    return int(array.nbytes)
+
+
+def test_task_retry_resolves_the_single_use_argument_again(velo: None, tmp_path: Any) -> None:
+    """A task that resolved its staged argument and then failed is retried by Ray: the
+    reference is consumed only after a successful body, so the retry resolves it too."""
+    marker = str(tmp_path / "attempted")
+    assert ray.get(flaky.remote(np.ones(MiB, dtype=np.uint8), marker)) == MiB
