@@ -32,4 +32,4 @@ if __name__ == "__main__":
         try:
             ray.get(score.remote(staged, 3))
         except rv.HandleReleased as exc:
-            print("fourth consumer refused:", exc)
+            print("fourth consumer refused:", getattr(exc, "cause", exc))

@@ -216,6 +216,27 @@ def shutdown(*, stop_ray: bool | None = None) -> None:
 # --- staging ---------------------------------------------------------------------------
 
 
+#: Payloads at least this large are copied by two threads (numpy releases the GIL): measured
+#: 256 MiB in 15-17 ms with one thread, 10-12 ms with two, on the 2-core dev machine.
+_PARALLEL_COPY_BYTES = 32 << 20
+
+
+def _copy(dest: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
+    """``dest[:] = source`` for flat uint8 arrays; large ones in two halves at once."""
+    if source.nbytes < _PARALLEL_COPY_BYTES:
+        np.copyto(dest, source)
+        return
+    half = source.nbytes // 2
+    helper = threading.Thread(
+        target=np.copyto, args=(dest[:half], source[:half]), name="ray_velo-copy"
+    )
+    helper.start()
+    try:
+        np.copyto(dest[half:], source[half:])
+    finally:
+        helper.join()
+
+
 def _stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> DataHandle:
     header, view = as_bytes_view(obj)
     nbytes = view.nbytes
@@ -231,7 +252,7 @@ def _stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> 
     try:
         if nbytes:
             dest = _segment_view(state, reservation.path, reservation.offset, nbytes)
-            np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
+            _copy(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
             del dest
         handle: DataHandle = _call(
             state.agent.stage_commit.remote(

@@ -29,7 +29,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ray_velo.bench import default_sizes, format_table, plot, run_bench, shm_free_bytes
+    from ray_velo.bench import (
+        default_sizes,
+        format_table,
+        plot,
+        run_bench,
+        run_decorator_bench,
+        shm_free_bytes,
+    )
+
+    if args.decorator:
+        size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
+        print(run_decorator_bench(size, args.reps))
+        return 0
 
     if args.sizes:
         sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
@@ -108,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
     bench.add_argument("--no-ucx-raw", action="store_true", help="skip the raw UCX ceiling")
+    bench.add_argument(
+        "--decorator",
+        action="store_true",
+        help="a @ray_velo.transfer pipeline vs the same pipeline on Ray's object store",
+    )
     bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
     bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
     bench.set_defaults(run=_bench)
