@@ -318,6 +318,7 @@ class RendezvousAgent:
                     for slot in list(self.store.slots())[:32]
                 ],
                 "copies": len(self._copies),
+                "ucx_endpoints": 0 if self.rdma is None else self.rdma.endpoint_count(),
                 "peers": sorted(self._peers),
                 "metrics": self.metrics.snapshot(),
             }
@@ -1060,6 +1061,8 @@ class RendezvousAgent:
         finally:
             renewal.stop()
         elapsed = time.monotonic() - started
+        if self.config.rdma.ucx.ep_idle_timeout is not None:
+            self._ticker.poke()  # arm the idle-endpoint scan
         self.metrics.get_completed(elapsed)
         self.metrics.path("rdma", "ok")
         return None
@@ -1098,6 +1101,9 @@ class RendezvousAgent:
             ]
             if self.store.holder_pids() or self._reservations:
                 due.append(now + LIVENESS_INTERVAL_S)
+            if self.rdma is not None:
+                self.rdma.reap_idle_endpoints(now)
+                due.append(self.rdma.next_reap_due(now))
             return min((d for d in due if d is not None), default=None)
 
     # --- shutdown --------------------------------------------------------------------

@@ -75,6 +75,7 @@ class UcxRdmaBackend:
         self._last_used: dict[str, float] = {}
         self._generation = itertools.count(1)
         self._closed = False
+        self.endpoints_reaped = 0
 
     # --- peers -----------------------------------------------------------------------
 
@@ -183,6 +184,8 @@ class UcxRdmaBackend:
         rkey = RemoteKey(endpoint, descriptor.rkey)
         try:
             ucx_get(endpoint, dest_address, descriptor.length, descriptor.addr, rkey, timeout_s)
+            with self._lock:
+                self._last_used[node] = time.monotonic()  # the idle clock restarts
         except UcxError:
             if endpoint.error_status != 0 or endpoint.closed:
                 with self._lock:
@@ -205,13 +208,28 @@ class UcxRdmaBackend:
         if timeout is None:
             return 0
         with self._lock:
-            idle = [n for n, t in self._last_used.items() if now - t >= timeout]
-            closing = [self._endpoints.pop(n) for n in idle if n in self._endpoints]
-            for n in idle:
-                self._last_used.pop(n, None)
+            closing = []
+            for node, used in list(self._last_used.items()):
+                endpoint = self._endpoints.get(node)
+                if endpoint is None:
+                    del self._last_used[node]
+                elif endpoint.in_flight:  # never under an outstanding GET: restart the clock
+                    self._last_used[node] = now
+                elif now - used >= timeout:
+                    closing.append(self._endpoints.pop(node))
+                    del self._last_used[node]
         for endpoint in closing:
-            endpoint.close()
+            endpoint.close()  # the next use wires up a new one; the peer stays registered
+        self.endpoints_reaped += len(closing)
         return len(closing)
+
+    def next_reap_due(self, now: float) -> float | None:
+        """When the idle-endpoint scan should next run: every half timeout, at least once a
+        second, and only while endpoints exist (None otherwise)."""
+        timeout = self.config.ep_idle_timeout
+        if timeout is None or not self.endpoint_count():
+            return None
+        return now + min(timeout / 2, 1.0)
 
     def close(self) -> None:
         """Close endpoints, then the worker and its progress thread, then the context.

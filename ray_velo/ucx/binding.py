@@ -584,6 +584,12 @@ class Endpoint(_Node):
     def _detach_from_parent(self) -> None:
         self.worker._forget(self)
 
+    @property
+    def in_flight(self) -> int:
+        """GETs posted on this endpoint that UCX has not completed yet."""
+        with self._lock:
+            return self._inflight
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"Endpoint({state}, error_status={self.error_status}, in_flight={self._inflight})"

@@ -192,3 +192,61 @@ def test_idle_agents_burn_almost_no_cpu(velo: None) -> None:
         ray.kill(bare)
     extra = [agent - bare for agent, bare in used]
     assert all(e < 0.1 for e in extra), f"(agent, bare actor) CPU seconds over 10 s: {used}"
+
+
+def test_idle_endpoint_reaper_closes_unused_endpoints(velo: None) -> None:
+    """ep_idle_timeout (0.5 s, the floor): after a GET the consumer's endpoint to the owner
+    closes within timeout + scan period + slack; the next fetch wires up a new one."""
+    reaping = dataclasses.replace(
+        TEST_CONFIG,
+        rdma=dataclasses.replace(TEST_CONFIG.rdma, ucx=UcxConfig(ep_idle_timeout=0.1)),
+    )
+    assert reaping.rdma.ucx.ep_idle_timeout == 0.5  # raised to the floor
+    restart_agent("node_b", config=reaping)
+    try:
+        payload = pattern(MiB)
+        b0 = path_counts("node_b")
+        assert ray.get(crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)
+        assert moved(b0, path_counts("node_b")) == {"rdma/ok": 1}
+        closed_after = None
+        started = time.monotonic()
+        while time.monotonic() - started < 5:
+            if agent_info("node_b")["ucx_endpoints"] == 0:
+                closed_after = time.monotonic() - started
+                break
+            time.sleep(0.05)
+        assert closed_after is not None and closed_after <= 0.5 + 0.25 + 0.5
+        assert ray.get(crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)
+        assert moved(b0, path_counts("node_b")) == {"rdma/ok": 2}
+    finally:
+        restart_agent("node_b")
+
+
+def test_spec_series_reach_rays_prometheus_export(velo: None) -> None:
+    """The path counter (and the registered-bytes gauge) show on the nodes' Prometheus
+    export under Ray's prefix: ray_velo_rendezvous_rdma_path_total{path="rdma",reason="ok"}."""
+    import urllib.request
+
+    payload = pattern(MiB)
+    assert ray.get(crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)
+    wanted = ("ray_velo_rendezvous_rdma_path_total{", 'path="rdma"', 'reason="ok"')
+    deadline = time.monotonic() + 30
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        for node in ray.nodes():  # type: ignore[no-untyped-call]
+            if not node["Alive"]:
+                continue
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            try:
+                body = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:
+                continue
+            for line in body.splitlines():
+                if all(w in line for w in wanted):
+                    seen.add("path")
+                if line.startswith("ray_velo_rdma_registered_bytes{"):
+                    seen.add("registered")
+        if seen == {"path", "registered"}:
+            break
+        time.sleep(0.5)
+    assert seen == {"path", "registered"}
