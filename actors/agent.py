@@ -86,6 +86,8 @@ _log = logging.getLogger(__name__)
 
 #: How often the agent checks that local readers are still alive, while any exist (s).
 LIVENESS_INTERVAL_S = 1.0
+#: How long a call naming a handle waits for its producer's commit to land (s).
+COMMIT_WAIT_S = 30.0
 #: How long a pulled slot's memory stays out of the pool after its last chunk pull: Ray
 #: serializes a returned chunk view after the method returns (milliseconds for 16 MiB).
 PULL_GRACE_S = 1.0
@@ -98,13 +100,15 @@ _PLAIN_MAX_ARENA = 1 << 30
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """Where a local producer writes a payload before committing it."""
+    """Where a local producer writes a payload before committing it, and the handle the
+    slot will have once committed."""
 
     reservation_id: int
     path: str
     offset: int
     nbytes: int
     dedicated: bool
+    handle: DataHandle
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +176,7 @@ class _Pending:
     kind: SlotKind
     pinned: bool
     pid: int
+    slot_id: int
 
 
 class _LeaseRenewal:
@@ -278,6 +283,7 @@ class RendezvousAgent:
         self._copy_of: dict[int, DataHandle] = {}  # local slot id -> remote handle
         self._peers: dict[str, Any] = {}
         self._regions: dict[int, _OwnedRegion] = {}
+        self._committing: dict[int, threading.Event] = {}  # slot id -> its commit landed
         self._arena_registrations_seen = 0
         self._pulled_at: dict[int, float] = {}  # slot id -> last chunk pull (monotonic s)
         self._grace: list[tuple[float, FreedSlot]] = []  # frees waiting out PULL_GRACE_S
@@ -429,11 +435,19 @@ class RendezvousAgent:
                 placement, kind, is_pinned = self._allocate(nbytes, pinned, now)
             self._reservation_seq += 1
             rid = self._reservation_seq
-            self._reservations[rid] = _Pending(placement, kind, is_pinned, pid)
+            slot_id = self.store.reserve_slot_id()
+            self._reservations[rid] = _Pending(placement, kind, is_pinned, pid, slot_id)
+            self._committing[slot_id] = threading.Event()
+            handle = DataHandle(self.worker_id, slot_id, self.node_id)
             if placement is None:
-                return Reservation(rid, "", 0, 0, False)
+                return Reservation(rid, "", 0, 0, False, handle)
             return Reservation(
-                rid, placement.arena.path, placement.offset_bytes, nbytes, placement.dedicated
+                rid,
+                placement.arena.path,
+                placement.offset_bytes,
+                nbytes,
+                placement.dedicated,
+                handle,
             )
 
     def stage_commit(
@@ -444,7 +458,11 @@ class RendezvousAgent:
         ttl: float | None,
         refcount: int,
     ) -> DataHandle:
-        """Turn a written reservation into a slot; returns its handle."""
+        """Turn a written reservation into a slot; returns its handle.
+
+        Producers send this without waiting for the answer: a call that names the handle
+        before the commit lands waits for it (see _await_commit).
+        """
         now = time.monotonic()
         with self._lock:
             self._check_open()
@@ -460,16 +478,39 @@ class RendezvousAgent:
                 now=now,
                 ttl=ttl,
                 refcount=refcount,
+                slot_id=pending.slot_id,
             )
+            self._end_commit(pending.slot_id)
             self._ticker.poke()
             return DataHandle(handle.worker_id, handle.slot_id, self.node_id)
+
+    def _end_commit(self, slot_id: int, why: str | None = None) -> None:
+        """The reservation of ``slot_id`` is committed (or, with ``why``, never will be)."""
+        if why is not None:
+            self.store.forget_reserved(slot_id, why)
+        event = self._committing.pop(slot_id, None)
+        if event is not None:
+            event.set()
+
+    def _await_commit(self, handle: DataHandle) -> None:
+        """A call naming a slot whose producer's commit is still on its way waits for it."""
+        if handle.worker_id != self.worker_id:
+            return
+        event = self._committing.get(handle.slot_id)
+        if event is not None and not event.wait(COMMIT_WAIT_S):
+            raise StagingError(
+                f"handle {handle} is still being staged after {COMMIT_WAIT_S} s: its "
+                "producer did not commit it"
+            )
 
     def stage_abort(self, reservation_id: int) -> None:
         now = time.monotonic()
         with self._lock:
             pending = self._reservations.pop(reservation_id, None)
-            if pending is not None and pending.placement is not None:
-                self._free_placement(pending.placement, pending.pinned, now)
+            if pending is not None:
+                self._end_commit(pending.slot_id, "its producer aborted staging it")
+                if pending.placement is not None:
+                    self._free_placement(pending.placement, pending.pinned, now)
 
     def _free_placement(self, placement: Placement, pinned: bool, now: float) -> None:
         (self.pinned_pool if pinned else self.plain_pool).free(placement, now)
@@ -483,6 +524,7 @@ class RendezvousAgent:
         any time): the reader gets a lease on a copy taken under the region's copy gate, and
         ``release`` says whether the reader consumed its reference on the region slot.
         """
+        self._await_commit(handle)
         now = time.monotonic()
         with self._lock:
             slot = self.store.slot(handle)
@@ -545,12 +587,14 @@ class RendezvousAgent:
 
     def _rv_metadata(self, data: bytes) -> bytes:
         request = decode(MetadataRequest, data)
+        self._await_commit(request.handle)
         with self._lock:
             meta = self.store.metadata(request.handle)
         return encode(MetadataResponse(meta.size, meta.refcount, meta.pinned))
 
     def _rv_acquire(self, data: bytes) -> bytes:
         request = decode(AcquireRequest, data)
+        self._await_commit(request.handle)
         now = time.monotonic()
         with self._lock:
             slot = self.store.slot(request.handle)
@@ -662,17 +706,20 @@ class RendezvousAgent:
 
     def _rv_ref(self, data: bytes) -> int:
         request = decode(RefRequest, data)
+        self._await_commit(request.handle)
         with self._lock:
             return self.store.ref(request.handle)
 
     def _rv_detach(self, data: bytes) -> None:
         request = decode(DetachRequest, data)
+        self._await_commit(request.handle)
         now = time.monotonic()
         with self._lock:
             self._release_all(self.store.detach(request.handle, request.lease_id), now)
 
     def _rv_release(self, data: bytes) -> None:
         request = decode(ReleaseRequest, data)
+        self._await_commit(request.handle)
         now = time.monotonic()
         with self._lock:
             self._release_all(self.store.release(request.handle, request.lease_id), now)
@@ -1087,6 +1134,7 @@ class RendezvousAgent:
                 for rid, pending in list(self._reservations.items()):
                     if pending.pid in dead:
                         del self._reservations[rid]
+                        self._end_commit(pending.slot_id, "its producer died while staging it")
                         if pending.placement is not None:
                             self._free_placement(pending.placement, pending.pinned, now)
             if self.pinned_pool.reclaim(now):
@@ -1128,6 +1176,7 @@ class RendezvousAgent:
             self._release_all(freed + [f for _, f in self._grace], now)
             self._grace.clear()
             for pending in self._reservations.values():
+                self._end_commit(pending.slot_id, "its owner shut down")
                 if pending.placement is not None:
                     self._free_placement(pending.placement, pending.pinned, now)
             self._reservations.clear()

@@ -254,15 +254,13 @@ def _stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> 
             dest = _segment_view(state, reservation.path, reservation.offset, nbytes)
             _copy(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
             del dest
-        handle: DataHandle = _call(
-            state.agent.stage_commit.remote(
-                reservation.reservation_id, nbytes, header, ttl, consumers
-            )
-        )
+        # Not waited for: a call that names the handle before this lands waits for it on the
+        # agent, and the put saves a round trip.
+        state.agent.stage_commit.remote(reservation.reservation_id, nbytes, header, ttl, consumers)
     except BaseException:
         state.agent.stage_abort.remote(reservation.reservation_id)
         raise
-    return handle
+    return reservation.handle
 
 
 def put(obj: Any, *, pinned: bool = True, ttl: float | None = None) -> DataHandle:

@@ -135,6 +135,15 @@ class SlotStore:
 
     # --- staging ---------------------------------------------------------------------
 
+    def reserve_slot_id(self) -> int:
+        """A slot id for a slot staged later (``stage(slot_id=...)``), so a producer can hand
+        out the handle while its commit is still on the way."""
+        return next(self._slot_ids)
+
+    def forget_reserved(self, slot_id: int, why: str) -> None:
+        """A reserved slot id that will never be staged: remember why, for HandleNotFound."""
+        self._tombstones[slot_id] = why
+
     def stage(
         self,
         total_len: int,
@@ -146,16 +155,22 @@ class SlotStore:
         now: float,
         ttl: float | None = None,
         refcount: int = 1,
+        slot_id: int | None = None,
     ) -> DataHandle:
-        """Add a slot; it starts with ``refcount`` references. ``ttl`` in seconds."""
+        """Add a slot; it starts with ``refcount`` references. ``ttl`` in seconds.
+
+        ``slot_id`` is one from :meth:`reserve_slot_id`; by default a fresh one.
+        """
         if total_len < 0:
             raise ValueError(f"total_len must be >= 0, got {total_len}")
         if refcount < 1:
             raise ValueError(f"refcount must be >= 1, got {refcount}")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        if slot_id is not None and (slot_id in self._slots or slot_id in self._tombstones):
+            raise ValueError(f"slot id {slot_id} is already used")
         slot = Slot(
-            slot_id=next(self._slot_ids),
+            slot_id=next(self._slot_ids) if slot_id is None else slot_id,
             total_len=total_len,
             type_header=type_header,
             kind=kind,
