@@ -159,3 +159,17 @@ def moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {
         k: after.get(k, 0) - before.get(k, 0) for k in keys if after.get(k, 0) != before.get(k, 0)
     }
+
+
+def wait_until_freed(handle: rv.DataHandle, timeout_s: float = 10.0) -> rv.HandleNotFound:
+    """Poll the owner until ``handle`` is gone; returns the HandleNotFound it then gives."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            rv.metadata(handle)
+        except rv.HandleNotFound as exc:
+            return exc
+        assert time.monotonic() < deadline, f"{handle} still staged after {timeout_s} s"
+        time.sleep(0.05)

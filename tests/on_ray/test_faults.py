@@ -14,7 +14,7 @@ import ray
 import ray_velo as rv
 from ray_velo.actors import ensure_agent
 from ray_velo.config import MiB
-from tests.on_ray.conftest import agent_info, node_ids
+from tests.on_ray.conftest import agent_info, node_ids, wait_until_freed
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -51,15 +51,7 @@ def test_stalled_owner_times_out_within_the_callers_bound(velo: None) -> None:
     # the abandoned fetch's lease expires on the owner (a chunked lease at lease_ms, an RDMA
     # lease at lease_timeout, 2 s here); the second reference still reads the payload
     assert ray.get(fetch_crc_on_b.remote(handle)) == zlib.crc32(np.arange(MiB, dtype=np.uint8))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            rv.metadata(handle)
-        except rv.HandleNotFound:
-            break
-        time.sleep(0.1)
-    with pytest.raises(rv.HandleNotFound):
-        rv.metadata(handle)
+    wait_until_freed(handle, 10)
 
 
 def test_caller_owned_region_stages_without_copy_and_drains(velo: None) -> None:

@@ -14,7 +14,7 @@ import ray
 
 import ray_velo as rv
 from ray_velo.config import MiB
-from tests.on_ray.conftest import TEST_CHUNK, agent_info, node_ids
+from tests.on_ray.conftest import TEST_CHUNK, agent_info, node_ids, wait_until_freed
 from tests.on_ray.test_faults import used_bytes
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
@@ -178,15 +178,7 @@ def test_oversized_payload_is_refused_before_allocation(velo: None) -> None:
         ray.get(fetch_on_b.remote(handle))
     assert str(97 * MiB) in str(info.value) and str(96 * MiB) in str(info.value)
     assert used_bytes("node_b") == used_before
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            rv.metadata(handle)
-        except rv.HandleNotFound:
-            break
-        time.sleep(0.05)
-    with pytest.raises(rv.HandleNotFound):
-        rv.metadata(handle)
+    wait_until_freed(handle, 5)
 
 
 def test_ttl_frees_an_unfetched_payload(velo: None) -> None:
