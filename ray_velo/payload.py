@@ -100,7 +100,9 @@ def payload_nbytes(obj: Any) -> int | None:
     """Size in bytes of a stageable object, or None if ``put`` cannot stage it."""
     torch = _torch()
     if torch is not None and isinstance(obj, torch.Tensor):
-        return int(obj.numel() * obj.element_size()) if obj.device.type == "cpu" else None
+        if obj.device.type != "cpu" or not _numpy_can_hold(torch, obj.dtype):
+            return None  # (bfloat16 has no numpy dtype): Ray pickles it as usual
+        return int(obj.numel() * obj.element_size())
     if isinstance(obj, np.ndarray):
         return None if obj.dtype.hasobject else int(obj.nbytes)
     if isinstance(obj, (bytes, bytearray)):
@@ -108,6 +110,22 @@ def payload_nbytes(obj: Any) -> int | None:
     if isinstance(obj, memoryview):
         return obj.nbytes
     return None
+
+
+_NUMPY_DTYPES: dict[Any, bool] = {}
+
+
+def _numpy_can_hold(torch: Any, dtype: Any) -> bool:
+    """Whether a torch dtype has a numpy equivalent (the staging path goes through numpy)."""
+    known = _NUMPY_DTYPES.get(dtype)
+    if known is None:
+        try:
+            torch.empty(0, dtype=dtype).numpy()
+            known = True
+        except (TypeError, RuntimeError):
+            known = False
+        _NUMPY_DTYPES[dtype] = known
+    return known
 
 
 def from_bytes_view(header: TypeHeader, data: Any, *, copy: bool = False) -> Any:

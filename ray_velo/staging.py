@@ -31,6 +31,7 @@ Mapping of the spec's transparent staging onto Ray (DESIGN.md §5):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -39,7 +40,6 @@ from typing import Any
 
 import ray
 
-from ray_velo.config import DEFAULT_THRESHOLD
 from ray_velo.errors import ConfigError, HandleNotFound, HandleReleased
 from ray_velo.payload import payload_nbytes
 from ray_velo.protocol import DataHandle
@@ -54,7 +54,8 @@ class TransferOptions:
     """Options of one decorated function, method or actor class.
 
     Attributes:
-        threshold_bytes: payloads strictly above this are staged (bytes).
+        threshold_bytes: payloads strictly above this are staged (bytes); None (the
+            default) takes the cluster's ``VeloConfig.threshold_bytes`` (256 KiB).
         consumers: how many resolutions one staged value allows (fan-out).
         ttl: seconds after which a staged value is freed whatever happens; None: no TTL
             unless ``fetch_timeout`` is set, which then serves as the TTL.
@@ -62,14 +63,16 @@ class TransferOptions:
         stage_returns: stage large results (and yielded items) too.
     """
 
-    threshold_bytes: int = DEFAULT_THRESHOLD
+    threshold_bytes: int | None = None
     consumers: int = 1
     ttl: float | None = None
     fetch_timeout: float | None = None
     stage_returns: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.threshold_bytes, int) or self.threshold_bytes < 0:
+        if self.threshold_bytes is not None and (
+            not isinstance(self.threshold_bytes, int) or self.threshold_bytes < 0
+        ):
             raise ConfigError(
                 field="threshold_bytes", value=self.threshold_bytes, rule="must be an int >= 0"
             )
@@ -91,8 +94,9 @@ class TransferOptions:
 class StagedValue:
     """A payload staged on its sender's node, travelling in place of the value.
 
-    ``budget_s`` is what was left of the sender's ``fetch_timeout`` when it sent (the spec's
-    ``_rv_budget_ms``); the receiver starts that bound when it resolves.
+    ``budget_s`` is the sender's ``fetch_timeout`` for this send (the spec's
+    ``_rv_budget_ms``: a decorated call's budget starts when it is sent, so all of it is
+    left); the receiver starts that bound when it resolves.
     """
 
     handle: DataHandle
@@ -115,7 +119,10 @@ def _stage_tree(value: Any, options: TransferOptions, budget_s: float | None) ->
         return value
     nbytes = payload_nbytes(value)
     if nbytes is not None:
-        if nbytes <= options.threshold_bytes:
+        threshold = options.threshold_bytes
+        if threshold is None:
+            threshold = api._process().config.threshold_bytes if nbytes > 0 else 0
+        if nbytes <= threshold:
             return value
         handle = api._stage(
             value, pinned=True, ttl=options.effective_ttl, consumers=options.consumers
@@ -271,8 +278,10 @@ def _callee(fn: Callable[..., Any], options: TransferOptions) -> Callable[..., A
 
 
 def _stage_call(args: tuple[Any, ...], kwargs: dict[str, Any], options: TransferOptions) -> Any:
-    budget = _budget(options)
-    return _stage_tree((args, kwargs), options, budget)
+    # An argument goes to exactly one callee: consumers=N is for results (fan-out), and an
+    # argument staged with N references would keep N-1 of them until its TTL.
+    single = dataclasses.replace(options, consumers=1)
+    return _stage_tree((args, kwargs), single, _budget(options))
 
 
 class TransferFunction:
@@ -354,6 +363,10 @@ class TransferActorClass:
             for name, member in inspect.getmembers(user_class, inspect.isfunction):
                 if name.startswith("__") and name != "__init__":
                     continue
+                if isinstance(
+                    inspect.getattr_static(user_class, name), (staticmethod, classmethod)
+                ):
+                    continue  # not called on the actor instance: nothing to stage
                 method_options = getattr(member, _MARK, options)
                 self._methods[name] = method_options
                 namespace[name] = _callee(member, method_options)
@@ -430,7 +443,7 @@ def _apply(target: Any, options: TransferOptions) -> Any:
 def transfer(
     target: Any = None,
     *,
-    threshold_bytes: int = DEFAULT_THRESHOLD,
+    threshold_bytes: int | None = None,
     consumers: int = 1,
     ttl: float | None = None,
     fetch_timeout: float | None = None,

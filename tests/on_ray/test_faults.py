@@ -108,3 +108,33 @@ def test_owner_killed_mid_pull_gives_owner_died_and_consumer_keeps_serving(velo:
     payload = np.arange(2 * MiB, dtype=np.uint8)
     assert ray.get(fetch_crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)
     assert ensure_agent(node_a) is not None
+
+
+def test_concurrent_first_use_on_a_node_creates_one_agent(velo: None) -> None:
+    """Node b's agent is gone; eight tasks there stage at the same moment: exactly one new
+    agent comes up (get_if_exists is atomic in Ray's GCS) and all eight use it."""
+    from ray_velo.actors import find_agent
+    from ray_velo.actors.directory import register_all_peers
+
+    node_b = node_ids()["node_b"]
+    old = find_agent(node_b)
+    ray.get(old.shutdown.remote(), timeout=30)
+    ray.kill(old)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            find_agent(node_b)
+        except ValueError:
+            break
+        time.sleep(0.05)
+
+    @ray.remote(**ON_B)
+    def stage(i: int) -> rv.DataHandle:
+        return rv.put(np.full(1024, i, dtype=np.uint8))
+
+    handles = ray.get([stage.remote(i) for i in range(8)])
+    assert len({h.worker_id for h in handles}) == 1
+    assert agent_info("node_b")["worker_id"] == handles[0].worker_id
+    for handle in handles:
+        rv.release(handle, 0)
+    register_all_peers()
