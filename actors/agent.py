@@ -891,16 +891,32 @@ class RendezvousAgent:
     # --- fetching from other nodes (consumer side) -----------------------------------
 
     def fetch_remote(
-        self, handle: DataHandle, mode: str, timeout_s: float | None, pid: int, bound: str
+        self,
+        handle: DataHandle,
+        mode: str,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        into_reservation: int = 0,
     ) -> LocalLease:
         """Bring ``handle``'s bytes to this node and lease the local copy to ``pid``.
 
         ``mode``: ``release`` (fetch: consume one reference on the owner), ``detach`` (fetch
         without release: the handle stays usable), or ``hold`` (get: keep the owner's lease;
-        the caller detaches or releases it later).
+        the caller detaches or releases it later). ``into_reservation`` (with ``hold``): a
+        PinnedWriter's reservation that the GET (or the chunks) land in directly; no local
+        slot is made and the answer's lease id is 0.
         """
         if mode not in ("release", "detach", "hold"):
             raise ValueError(f"unknown fetch mode {mode!r}")
+        into: _Pending | None = None
+        if into_reservation:
+            if mode != "hold":
+                raise ValueError("a PinnedWriter destination needs mode='hold'")
+            with self._lock:
+                into = self._reservations.get(into_reservation)
+            if into is None or into.placement is None:
+                raise StagingError(f"PinnedWriter reservation {into_reservation} is gone")
         deadline = Deadline.start(timeout_s, bound)
         started = time.monotonic()
         if mode != "hold":
@@ -911,14 +927,14 @@ class RendezvousAgent:
                 return cached
         actor, node = self._owner(handle)
         try:
-            return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started)
+            return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started, into)
         except OwnerDied:
             if not self._forget_owner(node, actor):
                 raise
         # The cached actor handle was of a dead incarnation; a new agent may serve the node
         # now (it answers HandleNotFound for the old one's handles).
         actor, node = self._owner(handle)
-        return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started)
+        return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started, into)
 
     def _forget_owner(self, node: str, actor: Any) -> bool:
         """Drop a dead owner's cached actor handle. True if it was cached (a retry with a
@@ -959,6 +975,7 @@ class RendezvousAgent:
         deadline: Deadline,
         pid: int,
         started: float,
+        into: _Pending | None = None,
     ) -> LocalLease:
         offer = build_offer(
             self.rdma is not None,
@@ -987,10 +1004,18 @@ class RendezvousAgent:
         try:
             with self._lock:
                 self._check_open()
-                if answer.total_len:
+                if into is not None:
+                    assert into.placement is not None
+                    if answer.total_len > into.placement.nbytes:
+                        raise ValueError(
+                            f"PinnedWriter holds {into.placement.nbytes} bytes, payload of "
+                            f"{handle} is {answer.total_len} bytes"
+                        )
+                    placement, kind, pinned = into.placement, into.kind, into.pinned
+                elif answer.total_len:
                     placement, kind, pinned = self._allocate(answer.total_len, True, now)
                 else:
-                    placement, kind, pinned = None, "empty", False
+                    placement, kind, pinned = None, _EMPTY, False
         except BaseException:
             actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
             raise
@@ -1043,7 +1068,7 @@ class RendezvousAgent:
                 )
         except BaseException:
             with self._lock:
-                if placement is not None:
+                if placement is not None and into is None:  # a writer's memory is the writer's
                     self._free_placement(placement, pinned, time.monotonic())
             if not isinstance(sys.exc_info()[1], OwnerDied):
                 actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
@@ -1055,6 +1080,18 @@ class RendezvousAgent:
         elif mode == "detach":
             actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
         now = time.monotonic()
+        if into is not None and placement is not None:
+            self.metrics.fetched(path, answer.total_len, now - started)
+            return LocalLease(
+                DataHandle(self.worker_id, 0, self.node_id),
+                0,
+                placement.arena.path,
+                placement.offset_bytes,
+                answer.total_len,
+                answer.type_header,
+                placement.dedicated,
+                answer.lease_id,
+            )
         with self._lock:
             local = self.store.stage(
                 answer.total_len, answer.type_header, placement, kind=kind, pinned=pinned, now=now

@@ -524,6 +524,10 @@ class PinnedWriter:
     def memoryview(self) -> memoryview:
         return self.array.data
 
+    @property
+    def reservation_id(self) -> int:
+        return self._reservation.reservation_id
+
     def close(self) -> None:
         """Give the buffer back to the pool."""
         self._finalizer()
@@ -548,16 +552,30 @@ def get_into(handle: DataHandle, dest: Any, *, timeout: float | None = None) -> 
         ValueError: ``dest`` is smaller than the payload (nothing is written).
     """
     target = dest.array if isinstance(dest, PinnedWriter) else np.frombuffer(dest, dtype=np.uint8)
-    lease, lease_id = _held_lease(handle, timeout)
+    if not target.flags.writeable:
+        raise ValueError("get_into needs a writable destination")
     state = _process()
+    if isinstance(dest, PinnedWriter) and handle.worker_id != state.worker_id:
+        # The GET (or the chunks) land in the writer's registered memory: no copy at all.
+        bound, which = _fetch_bound(timeout, state.config)
+        wait = None if bound is None else bound + _AGENT_SLACK_S
+        lease = _call(
+            state.agent.fetch_remote.remote(
+                handle, "hold", bound, os.getpid(), which, dest.reservation_id
+            ),
+            wait,
+        )
+        return int(lease.remote_lease_id)
+    lease, lease_id = _held_lease(handle, timeout)
     try:
         if lease.total_len > target.nbytes:
+            detach(handle, lease_id)  # nothing was written: give the lease back
             raise ValueError(
                 f"destination holds {target.nbytes} bytes, payload of {handle} is "
                 f"{lease.total_len} bytes"
             )
         if lease.total_len:
-            np.copyto(target[: lease.total_len], np.frombuffer(_view_of(lease), dtype=np.uint8))
+            _copy(target[: lease.total_len], np.frombuffer(_view_of(lease), dtype=np.uint8))
     finally:
         if lease.handle != handle:
             _end_lease(state.agent, lease.handle, lease.lease_id, True)

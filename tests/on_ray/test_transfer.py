@@ -220,3 +220,36 @@ def test_killed_reader_process_has_its_lease_reaped(velo: None) -> None:
         time.sleep(0.1)
     with pytest.raises(rv.HandleNotFound, match="reader process died"):
         rv.metadata(handle)
+
+
+def test_get_into_a_pinned_writer_and_the_spec_handle_api(velo: None) -> None:
+    """get / get_pinned / get_into with leases held until detach or release; a PinnedWriter
+    on node b receives the bytes from node a directly; a too-small destination is refused
+    and its lease given back."""
+    payload = np.arange(3 * MiB, dtype=np.uint8)
+    handle = rv.put(payload)
+    rv.ref_handle(handle)
+
+    @ray.remote(**ON_B)
+    def on_b(h: rv.DataHandle) -> tuple[int, int, bool]:
+        writer = rv.alloc_pinned_writer(4 * MiB)
+        lease_id = rv.get_into(h, writer)
+        got = zlib.crc32(writer.array[: 3 * MiB].tobytes())
+        rv.detach(h, lease_id)  # the handle stays usable
+        view, lease2 = rv.get(h)
+        same = bytes(view) == writer.array[: 3 * MiB].tobytes()
+        rv.release(h, lease2)
+        writer.close()
+        small = bytearray(10)
+        try:
+            rv.get_into(h, small)
+        except ValueError:
+            refused = True
+        else:
+            refused = False
+        return got, int(refused), same
+
+    crc, refused, same = ray.get(on_b.remote(handle))
+    assert crc == zlib.crc32(payload.tobytes()) and refused == 1 and same
+    assert rv.metadata(handle).refcount == 1  # get_into+detach kept it, get+release took one
+    rv.release(handle, 0)
