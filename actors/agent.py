@@ -37,6 +37,7 @@ from ray_velo.consumer import Deadline, call_owner, pull_chunks
 from ray_velo.errors import (
     DescriptorError,
     HandleNotFound,
+    LeaseNotFound,
     OwnerDied,
     PayloadTooLarge,
     ProtocolError,
@@ -284,11 +285,16 @@ class RendezvousAgent:
         self._peers: dict[str, Any] = {}
         self._regions: dict[int, _OwnedRegion] = {}
         self._committing: dict[int, threading.Event] = {}  # slot id -> its commit landed
+        self._writers_busy: Counter[int] = Counter()  # reservation id -> fetches writing it
+        self._abort_when_idle: set[int] = set()
+        self._no_ucx_peers: set[tuple[str, int]] = set()  # (node, worker id) without UCX
         self._arena_registrations_seen = 0
         self._pulled_at: dict[int, float] = {}  # slot id -> last chunk pull (monotonic s)
         self._grace: list[tuple[float, FreedSlot]] = []  # frees waiting out PULL_GRACE_S
         #: Fault injection for the fault tests only (see inject_fault); empty in production.
         self._faults: dict[str, float] = {}
+        #: Memory a timed-out GET may still write: out of every pool until shutdown.
+        self._quarantined: list[tuple[Placement, bool]] = []
         self._closed = False
         self.metrics = metrics.AgentMetrics(node_id)
         self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{self.worker_id:016x}")
@@ -343,22 +349,29 @@ class RendezvousAgent:
 
     # --- memory ----------------------------------------------------------------------
 
-    def _allocate(self, nbytes: int, pinned: bool, now: float) -> tuple[Placement, SlotKind, bool]:
+    def _allocate(
+        self, nbytes: int, pinned: bool, now: float, *, record: bool = True
+    ) -> tuple[Placement, SlotKind, bool]:
         """A placement for ``nbytes``: pinned pool when asked and possible, else plain.
 
         Never fails for lack of registered memory (spec: register_data_pinned never fails);
-        a plain-memory failure (the shm directory is full) raises SharedMemoryTooSmall.
+        a plain-memory failure (the shm directory is full) raises StagingError. ``record``:
+        count a pinned-staging fallback in the path metric (the owner's staging point; a
+        consumer's destination records its own reason instead). Thread-safe without the
+        agent lock (the pools lock themselves), so a mapping never stalls other calls.
         """
         if pinned:
             if not self.rdma_enabled:
-                self.metrics.path("chunked", "kill_switch")
+                if record:
+                    self.metrics.path("chunked", "kill_switch")
             elif self.rdma is not None:
                 got = self.pinned_pool.allocate(nbytes, now)
                 self._sync_registrations()
                 if isinstance(got, Placement):
                     return got, "dedicated" if got.dedicated else "pooled", True
                 assert isinstance(got, Fallback)
-                self.metrics.path("chunked", got.reason)
+                if record:
+                    self.metrics.path("chunked", got.reason)
             # No UCX transport: the data goes to plain memory (spec), counting nothing.
         got = self.plain_pool.allocate(nbytes, now)
         if isinstance(got, Fallback):
@@ -372,8 +385,10 @@ class RendezvousAgent:
         """Export arena registrations the pool made since the last look (off the hot path:
         a registration is an arena mapping, not a transfer)."""
         total = self.pinned_pool.registrations_total.get("arena", 0)
-        while self._arena_registrations_seen < total:
-            self._arena_registrations_seen += 1
+        with self._lock:
+            new = total - self._arena_registrations_seen
+            self._arena_registrations_seen = max(total, self._arena_registrations_seen)
+        for _ in range(new):
             self.metrics.registration("arena", self.budget.registered_bytes)
         self.metrics.set_registered(self.budget.registered_bytes)
 
@@ -426,13 +441,16 @@ class RendezvousAgent:
 
     def stage_reserve(self, nbytes: int, pinned: bool, pid: int) -> Reservation:
         """Reserve ``nbytes`` for a local producer to write into; commit or abort it next."""
-        now = time.monotonic()
+        self._check_open()
+        placement: Placement | None = None
+        kind, is_pinned = _EMPTY, False
+        if nbytes:  # outside the agent lock: mapping a new arena must not stall other calls
+            placement, kind, is_pinned = self._allocate(nbytes, pinned, time.monotonic())
         with self._lock:
-            self._check_open()
-            if nbytes == 0:
-                placement, kind, is_pinned = None, _EMPTY, False
-            else:
-                placement, kind, is_pinned = self._allocate(nbytes, pinned, now)
+            if self._closed:
+                if placement is not None:
+                    self._free_placement(placement, is_pinned, time.monotonic())
+                self._check_open()
             self._reservation_seq += 1
             rid = self._reservation_seq
             slot_id = self.store.reserve_slot_id()
@@ -469,17 +487,23 @@ class RendezvousAgent:
             pending = self._reservations.pop(reservation_id, None)
             if pending is None:
                 raise StagingError(f"reservation {reservation_id} is unknown or was reaped")
-            handle = self.store.stage(
-                nbytes,
-                type_header,
-                pending.placement,
-                kind=pending.kind,
-                pinned=pending.pinned,
-                now=now,
-                ttl=ttl,
-                refcount=refcount,
-                slot_id=pending.slot_id,
-            )
+            try:
+                handle = self.store.stage(
+                    nbytes,
+                    type_header,
+                    pending.placement,
+                    kind=pending.kind,
+                    pinned=pending.pinned,
+                    now=now,
+                    ttl=ttl,
+                    refcount=refcount,
+                    slot_id=pending.slot_id,
+                )
+            except Exception as exc:
+                self._end_commit(pending.slot_id, f"staging it failed: {exc}")
+                if pending.placement is not None:
+                    self._free_placement(pending.placement, pending.pinned, now)
+                raise
             self._end_commit(pending.slot_id)
             self._ticker.poke()
             return DataHandle(handle.worker_id, handle.slot_id, self.node_id)
@@ -504,13 +528,21 @@ class RendezvousAgent:
             )
 
     def stage_abort(self, reservation_id: int) -> None:
-        now = time.monotonic()
+        """Give a reservation's memory back (a failed put, a closed PinnedWriter)."""
         with self._lock:
-            pending = self._reservations.pop(reservation_id, None)
-            if pending is not None:
-                self._end_commit(pending.slot_id, "its producer aborted staging it")
-                if pending.placement is not None:
-                    self._free_placement(pending.placement, pending.pinned, now)
+            self._abort_reservation(reservation_id, "its producer aborted staging it")
+
+    def _abort_reservation(self, reservation_id: int, why: str) -> None:
+        # _lock held. A PinnedWriter a fetch still writes into is freed when it is done.
+        if self._writers_busy[reservation_id] > 0:
+            self._abort_when_idle.add(reservation_id)
+            return
+        self._writers_busy.pop(reservation_id, None)
+        pending = self._reservations.pop(reservation_id, None)
+        if pending is not None:
+            self._end_commit(pending.slot_id, why)
+            if pending.placement is not None:
+                self._free_placement(pending.placement, pending.pinned, time.monotonic())
 
     def _free_placement(self, placement: Placement, pinned: bool, now: float) -> None:
         (self.pinned_pool if pinned else self.plain_pool).free(placement, now)
@@ -530,27 +562,31 @@ class RendezvousAgent:
             slot = self.store.slot(handle)
             lease = self.store.acquire(handle, now, kind="local", holder_pid=pid)
             self._ticker.poke()
-            if not isinstance(slot.location, _RegionSlot):
+            if not isinstance(slot.location, _RegionSlot) or slot.total_len == 0:
                 return self._local_lease(slot, lease.lease_id)
             region_slot: _RegionSlot = slot.location
-            placement, kind, _ = self._allocate(slot.total_len, False, now)
+        placement: Placement | None = None
         try:
+            placement, kind, _ = self._allocate(slot.total_len, False, now)
             region_slot.region.copy_into(region_slot.offset, placement.view()[: slot.total_len])
+            with self._lock:
+                # the copy stands in for the region slot: the reader's lease moves onto it
+                end = self.store.release if release else self.store.detach
+                self._release_all(end(handle, lease.lease_id), now)
+                copy = self.store.stage(
+                    slot.total_len, slot.type_header, placement, kind=kind, pinned=False, now=now
+                )
+                placement = None  # the copy slot owns it now
+                copy_slot = self.store.slot(copy)
+                copy_lease = self.store.acquire(copy, now, kind="local", holder_pid=pid)
+                return self._local_lease(copy_slot, copy_lease.lease_id)
         except BaseException:
             with self._lock:
-                self._free_placement(placement, False, time.monotonic())
-                self._release_all(self.store.detach(handle, lease.lease_id), time.monotonic())
+                if placement is not None:
+                    self._free_placement(placement, False, time.monotonic())
+                with contextlib.suppress(HandleNotFound, LeaseNotFound):  # a TTL came first
+                    self._release_all(self.store.detach(handle, lease.lease_id), time.monotonic())
             raise
-        with self._lock:
-            # the copy stands in for the region slot: the reader's lease moves onto it
-            end = self.store.release if release else self.store.detach
-            self._release_all(end(handle, lease.lease_id), now)
-            copy = self.store.stage(
-                slot.total_len, slot.type_header, placement, kind=kind, pinned=False, now=now
-            )
-            copy_slot = self.store.slot(copy)
-            copy_lease = self.store.acquire(copy, now, kind="local", holder_pid=pid)
-            return self._local_lease(copy_slot, copy_lease.lease_id)
 
     def _local_lease(self, slot: Slot, lease_id: int, remote_lease_id: int = 0) -> LocalLease:
         placement = slot.location
@@ -778,15 +814,19 @@ class RendezvousAgent:
                 raise RegionDeregistered(region=f"#{region_id}")
             owned.region.check_range(start, stop - start)
             anchor = owned.region.enter()  # the in-flight guard first, then the state
-            handle = self.store.stage(
-                stop - start,
-                type_header,
-                _RegionSlot(owned.region, anchor, start),
-                kind="region",
-                pinned=self.rdma is not None,
-                now=time.monotonic(),
-                ttl=ttl,
-            )
+            try:
+                handle = self.store.stage(
+                    stop - start,
+                    type_header,
+                    _RegionSlot(owned.region, anchor, start),
+                    kind="region",
+                    pinned=self.rdma is not None,
+                    now=time.monotonic(),
+                    ttl=ttl,
+                )
+            except BaseException:
+                anchor.release()
+                raise
             if ttl is not None:
                 self._ticker.poke()
             return DataHandle(handle.worker_id, handle.slot_id, self.node_id)
@@ -879,14 +919,19 @@ class RendezvousAgent:
         later fetches offer RDMA."""
         if self.rdma is None or self.rdma.peer_registered(node, worker_id):
             return
+        if (node, worker_id) in self._no_ucx_peers:
+            return
         try:
-            worker_id, address = call_owner(
-                actor.ucx_address.remote(), deadline, DataHandle(1, 1), node
+            peer_worker, address = call_owner(
+                actor.ucx_address.remote(), deadline, DataHandle(worker_id, 0), node
             )
         except VeloError:
             return
         if address:
-            self.rdma.register_peer(node, worker_id, address)
+            self.rdma.register_peer(node, peer_worker, address)
+        else:
+            with self._lock:
+                self._no_ucx_peers.add((node, peer_worker))
 
     # --- fetching from other nodes (consumer side) -----------------------------------
 
@@ -915,17 +960,44 @@ class RendezvousAgent:
                 raise ValueError("a PinnedWriter destination needs mode='hold'")
             with self._lock:
                 into = self._reservations.get(into_reservation)
+                if into is not None:
+                    self._writers_busy[into_reservation] += 1  # its memory stays until done
             if into is None or into.placement is None:
                 raise StagingError(f"PinnedWriter reservation {into_reservation} is gone")
+            try:
+                return self._fetch_remote(handle, mode, timeout_s, pid, bound, into)
+            finally:
+                self._writer_done(into_reservation)
+        return self._fetch_remote(handle, mode, timeout_s, pid, bound, None)
+
+    def _writer_done(self, reservation_id: int) -> None:
+        with self._lock:
+            self._writers_busy[reservation_id] -= 1
+            if self._writers_busy[reservation_id] > 0:
+                return
+            del self._writers_busy[reservation_id]
+            if reservation_id in self._abort_when_idle:
+                self._abort_when_idle.discard(reservation_id)
+                self._abort_reservation(reservation_id, "its producer aborted staging it")
+
+    def _fetch_remote(
+        self,
+        handle: DataHandle,
+        mode: str,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        into: _Pending | None,
+    ) -> LocalLease:
         deadline = Deadline.start(timeout_s, bound)
         started = time.monotonic()
+        actor, node = self._owner(handle)
         if mode != "hold":
             cached = self._lease_cached_copy(handle, pid)
             if cached is not None:
-                if mode == "release":
-                    self._drop_remote_reference(handle)
+                if mode == "release":  # the owner is known: this send cannot fail here
+                    actor._rv_release.remote(encode(ReleaseRequest(handle, 0)))
                 return cached
-        actor, node = self._owner(handle)
         try:
             return self._fetch_from_owner(actor, node, handle, mode, deadline, pid, started, into)
         except OwnerDied:
@@ -962,10 +1034,6 @@ class RendezvousAgent:
             self.metrics.fetched("cache", slot.total_len, 0.0)
             return self._local_lease(slot, lease.lease_id)
 
-    def _drop_remote_reference(self, handle: DataHandle) -> None:
-        actor, _ = self._owner(handle)
-        actor._rv_release.remote(encode(ReleaseRequest(handle, 0)))
-
     def _fetch_from_owner(
         self,
         actor: Any,
@@ -984,40 +1052,51 @@ class RendezvousAgent:
         )
         if offer.reason is not None:
             self.metrics.path("chunked", offer.reason)
+        # A public get holds its lease past the last pull: no chunked deadline (spec).
+        lease_ms = 0 if mode == "hold" else deadline.budget_ms()
         request = AcquireRequest(
-            handle,
-            rdma=offer.offer,
-            lease_ms=deadline.budget_ms(),
-            budget_ms=deadline.budget_ms(),
+            handle, rdma=offer.offer, lease_ms=lease_ms, budget_ms=deadline.budget_ms()
         )
         answer = decode_acquire_response(
             call_owner(actor._rv_acquire.remote(encode(request)), deadline, handle, node)
         )
+        lease_to_end: int | None = answer.lease_id  # the owner's lease this fetch must end
+
+        def end_lease(release: bool) -> None:
+            nonlocal lease_to_end
+            if lease_to_end is not None:
+                message = (ReleaseRequest if release else DetachRequest)(handle, lease_to_end)
+                getattr(actor, "_rv_release" if release else "_rv_detach").remote(encode(message))
+                lease_to_end = None
+
         limit = self.config.staged_payload_max
         if limit is not None and answer.total_len > limit:
-            # Refuse before allocating: release so the owner frees its staged copy.
-            actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
+            # Refuse before allocating. A consuming fetch releases, so the owner frees its
+            # staged copy (transparent handles are single-use); the others only detach.
+            end_lease(release=mode == "release")
             raise PayloadTooLarge(
                 handle=str(handle), size_bytes=answer.total_len, limit_bytes=limit
             )
-        now = time.monotonic()
+        placement: Placement | None = None
+        kind: SlotKind = _EMPTY
+        pinned = False
         try:
-            with self._lock:
-                self._check_open()
-                if into is not None:
-                    assert into.placement is not None
-                    if answer.total_len > into.placement.nbytes:
-                        raise ValueError(
-                            f"PinnedWriter holds {into.placement.nbytes} bytes, payload of "
-                            f"{handle} is {answer.total_len} bytes"
-                        )
-                    placement, kind, pinned = into.placement, into.kind, into.pinned
-                elif answer.total_len:
-                    placement, kind, pinned = self._allocate(answer.total_len, True, now)
-                else:
-                    placement, kind, pinned = None, _EMPTY, False
+            self._check_open()
+            if into is not None:
+                assert into.placement is not None
+                if answer.total_len > into.placement.nbytes:
+                    raise ValueError(
+                        f"PinnedWriter holds {into.placement.nbytes} bytes, payload of "
+                        f"{handle} is {answer.total_len} bytes"
+                    )
+                placement, kind, pinned = into.placement, into.kind, into.pinned
+            elif answer.total_len:
+                # Registered memory only where a GET will land in it.
+                placement, kind, pinned = self._allocate(
+                    answer.total_len, isinstance(answer, Rdma), time.monotonic(), record=False
+                )
         except BaseException:
-            actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+            end_lease(release=False)
             raise
         path = "chunked"
         try:
@@ -1026,32 +1105,39 @@ class RendezvousAgent:
                     raise ProtocolError(
                         f"owner on node {node} answered RDMA to an acquire with no offer"
                     )
-                reason = self._rdma_get(actor, node, handle, answer, placement, pinned, deadline)
+                reason, unsafe = self._rdma_get(
+                    actor, node, handle, answer, placement, pinned, deadline
+                )
+                if unsafe:
+                    # UCX may still write this memory: it never goes back to a pool.
+                    self._quarantine(placement, pinned)
+                    placement = None
+                    if into is not None:
+                        raise StagingError(
+                            f"a timed-out GET of {handle} may still write the PinnedWriter; "
+                            "it was withdrawn, allocate a new one"
+                        )
                 if reason is None:
                     path = "rdma"
                 else:
                     # Fallback, exactly once: detach, acquire with no offer, pull chunks.
                     self.metrics.path("chunked", reason)
-                    call_owner(
-                        actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id))),
-                        deadline,
-                        handle,
-                        node,
-                    )
+                    end_lease(release=False)
                     retry = AcquireRequest(
-                        handle,
-                        rdma=None,
-                        lease_ms=deadline.budget_ms(),
-                        budget_ms=deadline.budget_ms(),
+                        handle, rdma=None, lease_ms=lease_ms, budget_ms=deadline.budget_ms()
                     )
                     answer = decode_acquire_response(
                         call_owner(actor._rv_acquire.remote(encode(retry)), deadline, handle, node)
                     )
+                    lease_to_end = answer.lease_id
                     if isinstance(answer, Rdma):
-                        actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
                         raise ProtocolError(
                             f"owner on node {node} answered RDMA again to the fallback acquire, "
                             "which carried no offer; refusing to retry"
+                        )
+                    if placement is None and answer.total_len:
+                        placement, kind, pinned = self._allocate(
+                            answer.total_len, False, time.monotonic(), record=False
                         )
             if isinstance(answer, Ready) and placement is not None:
                 pull_chunks(
@@ -1067,18 +1153,18 @@ class RendezvousAgent:
                     deadline,
                 )
         except BaseException:
-            with self._lock:
-                if placement is not None and into is None:  # a writer's memory is the writer's
+            if placement is not None and into is None:  # a writer's memory is the writer's
+                with self._lock:
                     self._free_placement(placement, pinned, time.monotonic())
             if not isinstance(sys.exc_info()[1], OwnerDied):
-                actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+                end_lease(release=False)
             raise
         if path == "chunked":
             self._learn_peer(actor, node, handle.worker_id, deadline)
         if mode == "release":
-            actor._rv_release.remote(encode(ReleaseRequest(handle, answer.lease_id)))
+            end_lease(release=True)
         elif mode == "detach":
-            actor._rv_detach.remote(encode(DetachRequest(handle, answer.lease_id)))
+            end_lease(release=False)
         now = time.monotonic()
         if into is not None and placement is not None:
             self.metrics.fetched(path, answer.total_len, now - started)
@@ -1105,6 +1191,20 @@ class RendezvousAgent:
         self.metrics.fetched(path, answer.total_len, now - started)
         return self._local_lease(slot, lease.lease_id, answer.lease_id if mode == "hold" else 0)
 
+    def _quarantine(self, placement: Placement | None, pinned: bool) -> None:
+        """Keep memory a GET may still write out of every pool until shutdown (logged)."""
+        if placement is None:
+            return
+        _log.error(
+            "ray_velo: a timed-out GET may still write %d bytes at %s+%d; keeping them out "
+            "of the pool until this agent shuts down",
+            placement.nbytes,
+            placement.arena.path,
+            placement.offset_bytes,
+        )
+        with self._lock:
+            self._quarantined.append((placement, pinned))
+
     def _rdma_get(
         self,
         actor: Any,
@@ -1114,16 +1214,19 @@ class RendezvousAgent:
         placement: Placement | None,
         pinned: bool,
         deadline: Deadline,
-    ) -> str | None:
-        """GET an RDMA answer into ``placement``. Returns None on success, else the
-        consumer's fallback reason (decode_error, pool_exhausted, get_failed)."""
+    ) -> tuple[str | None, bool]:
+        """GET an RDMA answer into ``placement``.
+
+        Returns (None on success, else the consumer's fallback reason: decode_error,
+        pool_exhausted, get_failed; and whether UCX may still write the destination).
+        """
         assert self.rdma is not None
         try:
             descriptor = self.rdma.decode(answer.descriptor, answer.total_len)
         except DescriptorError:
-            return "decode_error"
+            return "decode_error", False
         if placement is None or not pinned:
-            return "pool_exhausted"
+            return "pool_exhausted", False
         renewal = _LeaseRenewal(actor, handle, answer.lease_id, answer.lease_timeout_ms)
         started = time.monotonic()
         try:
@@ -1134,14 +1237,18 @@ class RendezvousAgent:
             stall = self._faults.get("stall_before_get_s", 0.0)
             if stall:
                 time.sleep(stall)
-            self.rdma.get(node, descriptor, placement.address, timeout)
+            self.rdma.get(node, descriptor, placement.address, timeout, placement.registration)
         except DescriptorError:
-            return "decode_error"
-        except UcxError:
+            return "decode_error", False
+        except UcxError as exc:
             _log.warning("ray_velo: GET of %s from node %s failed", handle, node, exc_info=True)
+            unsafe = bool(exc.fields.get("destination_unsafe"))
             if deadline.expired():
+                if unsafe:
+                    self._quarantine(placement, pinned)
+                    raise deadline.timeout_error(handle) from None
                 raise deadline.timeout_error(handle) from None
-            return "get_failed"
+            return "get_failed", unsafe
         finally:
             renewal.stop()
         elapsed = time.monotonic() - started
@@ -1149,12 +1256,13 @@ class RendezvousAgent:
             self._ticker.poke()  # arm the idle-endpoint scan
         self.metrics.get_completed(elapsed)
         self.metrics.path("rdma", "ok")
-        return None
+        return None, False
 
     # --- timers ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> float | None:
         """Sweep deadlines, reap dead local readers, reclaim arenas; say when to run next."""
+        dead_regions: list[int] = []
         with self._lock:
             if self._closed:
                 return None
@@ -1165,15 +1273,14 @@ class RendezvousAgent:
             self._release_all(due_frees, now)
             self.metrics.leases_reaped(result.rdma_leases_reaped)
             pids = self.store.holder_pids() | {p.pid for p in self._reservations.values()}
+            pids |= {owned.pid for owned in self._regions.values()}
             dead = {pid for pid in pids if pid and not _pid_alive(pid)}
             if dead:
                 self._release_all(self.store.reap_holders(dead), now)
                 for rid, pending in list(self._reservations.items()):
                     if pending.pid in dead:
-                        del self._reservations[rid]
-                        self._end_commit(pending.slot_id, "its producer died while staging it")
-                        if pending.placement is not None:
-                            self._free_placement(pending.placement, pending.pinned, now)
+                        self._abort_reservation(rid, "its producer died while staging it")
+                dead_regions = [r for r, o in self._regions.items() if o.pid in dead]
             if self.pinned_pool.reclaim(now):
                 self._sync_registrations()
             self.plain_pool.reclaim(now)
@@ -1189,7 +1296,13 @@ class RendezvousAgent:
             if self.rdma is not None:
                 self.rdma.reap_idle_endpoints(now)
                 due.append(self.rdma.next_reap_due(now))
-            return min((d for d in due if d is not None), default=None)
+            if self._regions:
+                due.append(now + LIVENESS_INTERVAL_S)
+        for region_id in dead_regions:  # their owner process died: nobody will unregister
+            _log.warning("ray_velo: region #%d's process died; unregistering it", region_id)
+            with contextlib.suppress(RegionDeregistered):
+                self.region_unregister(region_id, 0.0)
+        return min((d for d in due if d is not None), default=None)
 
     # --- shutdown --------------------------------------------------------------------
 
@@ -1227,6 +1340,7 @@ class RendezvousAgent:
             if self.rdma is not None:  # after every unmap: endpoints and worker go last
                 self.rdma.close()
                 self.rdma = None
+            self._quarantined.clear()  # the pools are closed: their arenas are gone
         return {"slots": len(freed)}
 
 

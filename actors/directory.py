@@ -17,6 +17,7 @@ __all__ = [
     "RendezvousActor",
     "agent_name",
     "alive_node_ids",
+    "cluster_config_stored",
     "ensure_agent",
     "ensure_agents",
     "find_agent",
@@ -68,6 +69,11 @@ def store_cluster_config(config: VeloConfig) -> None:
     internal_kv._internal_kv_put(
         _CONFIG_KEY, pickle.dumps(config), overwrite=True, namespace=_KV_NAMESPACE
     )
+
+
+def cluster_config_stored() -> bool:
+    """Whether some driver published a config (``rv.init``) in this cluster."""
+    return bool(internal_kv._internal_kv_exists(_CONFIG_KEY, namespace=_KV_NAMESPACE))
 
 
 def load_cluster_config() -> VeloConfig:

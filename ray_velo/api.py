@@ -28,6 +28,7 @@ from ray_velo.actors.agent import LocalLease, Reservation
 from ray_velo.actors.directory import (
     NAMESPACE,
     agent_name,
+    cluster_config_stored,
     ensure_agent,
     ensure_agents,
     load_cluster_config,
@@ -35,7 +36,13 @@ from ray_velo.actors.directory import (
 )
 from ray_velo.config import VeloConfig
 from ray_velo.consumer import clear_ray_frames
-from ray_velo.errors import AgentDied, NotInitialized, RegionDeregistered
+from ray_velo.errors import (
+    AgentDied,
+    ConfigError,
+    NotInitialized,
+    RegionDeregistered,
+    TransferTimeout,
+)
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
 from ray_velo.protocol import (
@@ -78,7 +85,7 @@ _log = logging.getLogger(__name__)
 
 #: Extra seconds a task waits on its local agent beyond the fetch bound, for the agent's own
 #: answer (TransferTimeout) to arrive rather than a bare Ray timeout.
-_AGENT_SLACK_S = 5.0
+_AGENT_SLACK_S = 15.0  # > the binding's 5 s abort grace for a timed-out GET, plus margin
 
 
 @dataclass
@@ -107,6 +114,11 @@ def _call(ref: Any, timeout_s: float | None = None) -> Any:
     """Wait for a call to the local agent; Ray's errors mapped to ours."""
     try:
         return ray.get(ref, timeout=timeout_s)
+    except ray_errors.GetTimeoutError as exc:
+        clear_ray_frames(exc)
+        raise TransferTimeout(
+            handle="?", timeout_s=timeout_s, bound="this node's agent did not answer in time"
+        ) from None
     except ray_errors.RayTaskError as exc:
         clear_ray_frames(exc)
         raise _unwrap(exc) from None
@@ -170,11 +182,13 @@ def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
         ConfigError: ``config`` breaks a rule.
     """
     global _started_ray
-    config = config or VeloConfig()
     if not ray.is_initialized():
         ray.init(**ray_init_kwargs)
         _started_ray = True
-    store_cluster_config(config)
+    if config is not None or not cluster_config_stored():
+        # A second driver's bare init() must not reset the cluster's config to defaults.
+        store_cluster_config(config or VeloConfig())
+    config = config or load_cluster_config()
     ensure_agents(config)
     _process()
 
@@ -238,6 +252,8 @@ def _copy(dest: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
 
 
 def _stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> DataHandle:
+    if ttl is not None and not ttl > 0:
+        raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
     header, view = as_bytes_view(obj)
     nbytes = view.nbytes
     try:
@@ -501,7 +517,11 @@ def get_pinned(handle: DataHandle, *, timeout: float | None = None) -> tuple[Pin
     elif own_copy:
         array = _leased_array(lease, True)
     else:
-        array = np.frombuffer(_view_of(lease).toreadonly(), dtype=np.uint8)
+        # Same node: the caller's lease is the owner's, ended by detach/release; the view
+        # holds a lease of its own so the memory outlives it whatever the caller does.
+        state = _process()
+        own = _call(state.agent.local_acquire.remote(handle, os.getpid(), False))
+        array = _leased_array(own, False)
     return PinnedBuf(array, lease.type_header), lease_id
 
 

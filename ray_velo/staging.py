@@ -40,7 +40,13 @@ from typing import Any
 
 import ray
 
-from ray_velo.errors import ConfigError, HandleNotFound, HandleReleased
+from ray_velo.errors import (
+    ConfigError,
+    HandleNotFound,
+    HandleReleased,
+    PayloadTooLarge,
+    VeloError,
+)
 from ray_velo.payload import payload_nbytes
 from ray_velo.protocol import DataHandle
 
@@ -144,6 +150,11 @@ def _resolve_one(staged: StagedValue, consume: bool, held: list[DataHandle]) -> 
 
     try:
         value = api.fetch(staged.handle, release=consume, timeout=staged.budget_s)
+    except PayloadTooLarge:
+        if not consume:  # refused for good: release it so its owner frees the staged copy
+            with contextlib.suppress(VeloError):
+                api.release(staged.handle, 0)
+        raise
     except HandleNotFound as exc:
         if "released by its last consumer" in str(exc):
             raise HandleReleased(
@@ -240,8 +251,16 @@ def _budget(options: TransferOptions) -> float | None:
     return options.fetch_timeout
 
 
-def _callee(fn: Callable[..., Any], options: TransferOptions) -> Callable[..., Any]:
-    """The body Ray runs: resolve staged arguments, run, stage results, then consume."""
+def _callee(
+    fn: Callable[..., Any], options: TransferOptions, *, retried_on_error: bool = False
+) -> Callable[..., Any]:
+    """The body Ray runs: resolve staged arguments, run, stage results, then consume.
+
+    The arguments' references are consumed after the body: on success always; on an
+    exception only when Ray will not retry it (``retried_on_error`` False, Ray's default),
+    so a retried task finds its arguments again and a failed one leaves nothing behind.
+    A worker that crashes consumes nothing: Ray retries system failures.
+    """
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise TypeError(
             f"@ray_velo.transfer does not support async {fn.__qualname__} yet; use a sync "
@@ -253,11 +272,18 @@ def _callee(fn: Callable[..., Any], options: TransferOptions) -> Callable[..., A
         def generator_body(*args: Any, **kwargs: Any) -> Iterator[Any]:
             held: list[DataHandle] = []
             args, kwargs = _resolve_tree((args, kwargs), False, held)
-            for item in fn(*args, **kwargs):
-                yield (
-                    _stage_tree(item, options, _budget(options)) if options.stage_returns else item
-                )
-            _drop_references(held)
+            ok = False
+            try:
+                for item in fn(*args, **kwargs):
+                    yield (
+                        _stage_tree(item, options, _budget(options))
+                        if options.stage_returns
+                        else item
+                    )
+                ok = True
+            finally:
+                if ok or not retried_on_error:  # also a stream closed early
+                    _drop_references(held)
 
         return generator_body
 
@@ -265,11 +291,16 @@ def _callee(fn: Callable[..., Any], options: TransferOptions) -> Callable[..., A
     def body(*args: Any, **kwargs: Any) -> Any:
         held: list[DataHandle] = []
         args, kwargs = _resolve_tree((args, kwargs), False, held)
-        result = fn(*args, **kwargs)
-        if options.stage_returns:
-            result = _stage_tree(result, options, _budget(options))
-        _drop_references(held)
-        return result
+        ok = False
+        try:
+            result = fn(*args, **kwargs)
+            if options.stage_returns:
+                result = _stage_tree(result, options, _budget(options))
+            ok = True
+            return result
+        finally:
+            if ok or not retried_on_error:
+                _drop_references(held)
 
     return body
 
@@ -293,11 +324,8 @@ class TransferFunction:
         if _inner is None:
             raw = remote_function._function
             defaults = dict(remote_function._default_options)
-            _inner = (
-                ray.remote(**defaults)(_callee(raw, options))
-                if defaults
-                else ray.remote(_callee(raw, options))
-            )
+            body = _callee(raw, options, retried_on_error=bool(defaults.get("retry_exceptions")))
+            _inner = ray.remote(**defaults)(body) if defaults else ray.remote(body)
         self._inner = _inner
         functools.update_wrapper(self, remote_function._function)
 
@@ -338,7 +366,9 @@ class TransferActorHandle:
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._handle, name)
-        options = self._methods.get(name, self._options)
+        options = self._methods.get(name)
+        if options is None:  # not wrapped on the actor (a static method): nothing to stage
+            return method
         return _TransferActorMethod(method, options)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -360,24 +390,16 @@ class TransferActorClass:
         self._methods: dict[str, TransferOptions] = {}
         if _inner is None:
             namespace: dict[str, Any] = {}
-            for name, member in inspect.getmembers(user_class, inspect.isfunction):
-                if name.startswith("__") and name != "__init__":
-                    continue
-                if isinstance(
-                    inspect.getattr_static(user_class, name), (staticmethod, classmethod)
-                ):
-                    continue  # not called on the actor instance: nothing to stage
-                method_options = getattr(member, _MARK, options)
+            for name, method_options in _inner_methods(user_class, options):
                 self._methods[name] = method_options
-                namespace[name] = _callee(member, method_options)
+                namespace[name] = _callee(getattr(user_class, name), method_options)
             staged_class = type(user_class.__name__, (user_class,), namespace)
             staged_class.__qualname__ = user_class.__qualname__
             staged_class.__module__ = user_class.__module__
             creation = _actor_options(actor_class)
             _inner = ray.remote(**creation)(staged_class) if creation else ray.remote(staged_class)
         else:
-            for name, member in inspect.getmembers(user_class, inspect.isfunction):
-                self._methods[name] = getattr(member, _MARK, options)
+            self._methods = dict(_inner_methods(user_class, options))
         self._inner = _inner
 
     def remote(self, *args: Any, **kwargs: Any) -> TransferActorHandle:
@@ -390,6 +412,17 @@ class TransferActorClass:
         return TransferActorClass(
             self._source, self._options, _inner=self._inner.options(**ray_options)
         )
+
+
+def _inner_methods(user_class: type, options: TransferOptions) -> Iterator[tuple[str, Any]]:
+    """The actor methods transfer wraps, with their options: instance methods (and
+    ``__init__``), not static or class methods, which Ray does not call on the instance."""
+    for name, member in inspect.getmembers(user_class, inspect.isfunction):
+        if name.startswith("__") and name != "__init__":
+            continue
+        if isinstance(inspect.getattr_static(user_class, name), (staticmethod, classmethod)):
+            continue
+        yield name, getattr(member, _MARK, options)
 
 
 def _actor_options(actor_class: Any) -> dict[str, Any]:

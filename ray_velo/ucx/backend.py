@@ -36,15 +36,10 @@ class UcxRegistrar:
 
     def __init__(self, context: UcxContext) -> None:
         self._context = context
-        self.registrations_total = 0
 
     def register(self, address: int, nbytes: int) -> Registration:
         """Map ``nbytes`` at ``address``; the caller keeps the pages until :meth:`unregister`."""
-        registration = MemoryRegistration.from_address(
-            self._context, address, nbytes, keepalive=None
-        )
-        self.registrations_total += 1
-        return registration
+        return MemoryRegistration.from_address(self._context, address, nbytes, keepalive=None)
 
     def unregister(self, registration: Registration) -> None:
         """Unmap; returns only once UCX confirmed it (pages may then be freed)."""
@@ -107,15 +102,6 @@ class UcxRdmaBackend:
                 return False
             return worker_id is None or self._peer_workers.get(node) == worker_id
 
-    def forget_peer(self, node: str) -> None:
-        """The peer agent died or restarted: drop its address and endpoint."""
-        with self._lock:
-            self._peer_addresses.pop(node, None)
-            self._peer_workers.pop(node, None)
-            endpoint = self._endpoints.pop(node, None)
-        if endpoint is not None:
-            endpoint.close()
-
     def _endpoint(self, node: str) -> Endpoint:
         with self._lock:
             if self._closed:
@@ -131,8 +117,11 @@ class UcxRdmaBackend:
             )
         if endpoint is not None:
             endpoint.close()  # failed: the next use wires up a fresh one
-        fresh = Endpoint(self.worker, address)
-        with self._lock:
+        with self._lock:  # two first GETs to a peer must not both create one
+            current = self._endpoints.get(node)
+            if current is not None and current is not endpoint and not current.closed:
+                return current
+            fresh = Endpoint(self.worker, address)  # no network I/O: wireup is lazy
             self._endpoints[node] = fresh
             self._last_used[node] = time.monotonic()
         return fresh
@@ -169,12 +158,19 @@ class UcxRdmaBackend:
         return descriptor
 
     def get(
-        self, node: str, descriptor: RdmaDescriptor, dest_address: int, timeout_s: float
+        self,
+        node: str,
+        descriptor: RdmaDescriptor,
+        dest_address: int,
+        timeout_s: float,
+        local_registration: Registration | None = None,
     ) -> None:
         """GET the descriptor's bytes from peer ``node`` into ``dest_address``.
 
-        Returns once UCX reports completion, so the destination may be reused or freed after
-        it returns or raises (a timed-out GET force-closes its endpoint first).
+        Returns once UCX reports completion. A failed GET has completed too, except a
+        timed-out one whose request did not complete even after its endpoint was
+        force-closed: that UcxError carries ``destination_unsafe=True``, and the destination
+        must never be reused.
 
         Raises:
             DescriptorError: the packed key fails the pre-parse (never reaches UCX).
@@ -183,7 +179,20 @@ class UcxRdmaBackend:
         endpoint = self._endpoint(node)
         rkey = RemoteKey(endpoint, descriptor.rkey)
         try:
-            ucx_get(endpoint, dest_address, descriptor.length, descriptor.addr, rkey, timeout_s)
+            ucx_get(
+                endpoint,
+                dest_address,
+                descriptor.length,
+                descriptor.addr,
+                rkey,
+                timeout_s,
+                # the destination's own registration saves one per GET on InfiniBand
+                local_memh=(
+                    local_registration
+                    if isinstance(local_registration, MemoryRegistration)
+                    else None
+                ),
+            )
             with self._lock:
                 self._last_used[node] = time.monotonic()  # the idle clock restarts
         except UcxError:

@@ -949,6 +949,7 @@ def _post_and_wait(
         raise UcxError(
             operation="ucp_get_nbx",
             status=int(UcsStatus.ERR_TIMED_OUT),
+            destination_unsafe=not completed,
             status_text=(
                 f"GET of {nbytes} bytes did not finish within {timeout_s} s; endpoint "
                 + (
