@@ -8,9 +8,13 @@ which they read in place. Local processes stage by reserving a granule range, wr
 the shared segment themselves and committing.
 
 The class is plain Python; :mod:`ray_velo.actors` wraps it with ``ray.remote`` as a threaded
-actor, so a long pull never blocks an acquire. All state changes happen under one lock; the
-copies (chunk reads, chunk writes) run outside it, guarded by per-slot read counts so memory
-is never returned to the pool while a copy is still reading it.
+actor, so a long pull never blocks an acquire. All state changes happen under one lock;
+the copies, GETs and arena mappings run outside it. Memory never goes back to a pool while
+something may still read or write it: a region chunk copied out counts as a read of its slot;
+a pool chunk returned as a view (Ray serializes it after the method returns) keeps a slot
+that a deadline freed out of the pool for PULL_GRACE_S, a timing bound rather than a count;
+a PinnedWriter being fetched into is held until the fetch ends; and memory a timed-out GET
+may still write is quarantined until shutdown. Shutdown waits for fetches in flight.
 """
 
 from __future__ import annotations
@@ -295,6 +299,8 @@ class RendezvousAgent:
         self._faults: dict[str, float] = {}
         #: Memory a timed-out GET may still write: out of every pool until shutdown.
         self._quarantined: list[tuple[Placement, bool]] = []
+        self._inflight = 0  # fetches from other nodes running now
+        self._inflight_cond = threading.Condition(threading.Lock())
         self._closed = False
         self.metrics = metrics.AgentMetrics(node_id)
         self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{self.worker_id:016x}")
@@ -989,6 +995,25 @@ class RendezvousAgent:
         bound: str,
         into: _Pending | None,
     ) -> LocalLease:
+        with self._inflight_cond:
+            self._check_open()
+            self._inflight += 1
+        try:
+            return self._fetch_counted(handle, mode, timeout_s, pid, bound, into)
+        finally:
+            with self._inflight_cond:
+                self._inflight -= 1
+                self._inflight_cond.notify_all()
+
+    def _fetch_counted(
+        self,
+        handle: DataHandle,
+        mode: str,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        into: _Pending | None,
+    ) -> LocalLease:
         deadline = Deadline.start(timeout_s, bound)
         started = time.monotonic()
         actor, node = self._owner(handle)
@@ -1318,6 +1343,15 @@ class RendezvousAgent:
             self.store.begin_drain()
             self._closed = True
         self._ticker.stop()
+        # Fetches in flight finish (or fail) before their memory and UCX go away.
+        bound = self.config.rdma.shutdown_timeout or 30.0
+        with self._inflight_cond:
+            if not self._inflight_cond.wait_for(lambda: self._inflight == 0, bound):
+                _log.warning(
+                    "ray_velo: %d fetches still running after %.0f s; shutting down anyway",
+                    self._inflight,
+                    bound,
+                )
         with self._lock:
             now = time.monotonic()
             freed = self.store.clear()

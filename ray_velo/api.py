@@ -216,7 +216,8 @@ def shutdown(*, stop_ray: bool | None = None) -> None:
         except ValueError:
             continue
     try:
-        ray.get([agent.shutdown.remote() for agent in agents], timeout=60)
+        bound = (state.config.rdma.shutdown_timeout if state else None) or 30.0
+        ray.get([agent.shutdown.remote() for agent in agents], timeout=bound + 30)
     except ray_errors.RayError:
         _log.warning("ray_velo: an agent did not shut down cleanly", exc_info=True)
     for agent in agents:
@@ -671,7 +672,9 @@ class RegionGuard:
                 self.region_id,
             )
             with contextlib.suppress(Exception):
-                self._agent.region_unregister.remote(self.region_id, 30.0)
+                self._agent.region_unregister.remote(
+                    self.region_id, _process().config.rdma.drop_dereg_timeout or 30.0
+                )
 
 
 def alloc_region(nbytes: int) -> RegionGuard:

@@ -49,6 +49,7 @@ from ray_velo.errors import (
 )
 from ray_velo.payload import payload_nbytes
 from ray_velo.protocol import DataHandle
+from ray_velo.store import RELEASED_BY_CONSUMERS
 
 __all__ = ["StagedValue", "TransferOptions", "resolve", "resolve_stream", "transfer"]
 
@@ -156,7 +157,7 @@ def _resolve_one(staged: StagedValue, consume: bool, held: list[DataHandle]) -> 
                 api.release(staged.handle, 0)
         raise
     except HandleNotFound as exc:
-        if "released by its last consumer" in str(exc):
+        if exc.fields.get("reason") == RELEASED_BY_CONSUMERS:
             raise HandleReleased(
                 handle=str(staged.handle),
                 allowed=staged.consumers,

@@ -47,6 +47,8 @@ __all__ = [
 SlotKind = Literal["empty", "plain", "pooled", "dedicated", "region"]
 LeaseKind = Literal["rdma", "chunked", "local"]
 
+#: Why a slot whose last reference was released is gone (HandleNotFound.reason).
+RELEASED_BY_CONSUMERS = "released by its last consumer"
 #: How many freed slot ids the store remembers, to say *why* a handle is gone.
 _TOMBSTONES = 4096
 
@@ -306,7 +308,7 @@ class SlotStore:
         slot, lease = self._lease_on(handle, lease_id)
         self._drop_lease(slot, lease)
         if slot.refcount == 0 and not slot.leases:
-            return self._free(slot, "released by its last consumer")
+            return self._free(slot, RELEASED_BY_CONSUMERS)
         return None
 
     def release(self, handle: DataHandle, lease_id: int) -> FreedSlot | None:
@@ -320,7 +322,7 @@ class SlotStore:
         else:
             slot, lease = self._lease_on(handle, lease_id)
             self._drop_lease(slot, lease)
-        return self._unref(slot, "released by its last consumer")
+        return self._unref(slot, RELEASED_BY_CONSUMERS)
 
     def _drop_lease(self, slot: Slot, lease: Lease) -> None:
         del self._leases[lease.lease_id]
