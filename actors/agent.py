@@ -939,6 +939,12 @@ class RendezvousAgent:
             with self._lock:
                 self._no_ucx_peers.add((node, peer_worker))
 
+    def release_quietly(self, handle: DataHandle) -> None:
+        """Drop one reference on ``handle`` for a caller that does not wait for the answer;
+        a handle already gone (its TTL came first) is not an error here."""
+        with contextlib.suppress(HandleNotFound, OwnerDied):
+            self.route(handle, "_rv_release", encode(ReleaseRequest(handle, 0)), None)
+
     # --- fetching from other nodes (consumer side) -----------------------------------
 
     def fetch_remote(

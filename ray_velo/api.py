@@ -447,6 +447,12 @@ def ref_handle(handle: DataHandle) -> int:
     return int(_owner_call(handle, "_rv_ref", RefRequest(handle)))
 
 
+def _release_soon(handle: DataHandle) -> None:
+    """Drop one reference on ``handle`` without waiting for the owner's answer (a resolver
+    done with a transparent value: an error here would have nobody to tell)."""
+    _process().agent.release_quietly.remote(handle)
+
+
 def detach(handle: DataHandle, lease_id: int) -> None:
     """Drop the read lock of ``get``/``get_pinned``/``get_into``; the handle stays usable."""
     _owner_call(handle, "_rv_detach", DetachRequest(handle, lease_id))

@@ -88,6 +88,9 @@ def _status(args: argparse.Namespace) -> int:
         except ValueError:
             print(f"{node_id}: no agent")
             continue
+        except ray.exceptions.RayError as exc:
+            print(f"{node_id}: agent not answering ({type(exc).__name__})")
+            continue
         print(
             f"{node_id}: worker {info['worker_id']:016x} rdma={'on' if info['rdma'] else 'off'}"
             f"{'' if info['rdma_enabled'] else ' (kill switch)'} slots={info['live_slots']} "

@@ -252,3 +252,17 @@ def test_task_retry_resolves_the_single_use_argument_again(velo: None, tmp_path:
     reference is consumed only after a successful body, so the retry resolves it too."""
     marker = str(tmp_path / "attempted")
     assert ray.get(flaky.remote(np.ones(MiB, dtype=np.uint8), marker)) == MiB
+
+
+@rv.transfer
+@ray.remote(**ON_A)
+def forward(array: np.ndarray) -> Any:
+    # the body forwards what it received: a plain array, staged anew by this call
+    return ray.get(total.remote(array))
+
+
+def test_forwarded_values_carry_no_staging_metadata(velo: None) -> None:
+    """A callee that passes its argument on sends the value, staged by its own call: the
+    next receiver never fetches the first caller's handle, and nothing stays staged."""
+    array = np.full(2 * MiB, 3, dtype=np.uint8)
+    assert ray.get(forward.remote(array)) == 3 * 2 * MiB
