@@ -556,7 +556,9 @@ class PinnedWriter:
         return self._reservation.reservation_id
 
     def close(self) -> None:
-        """Give the buffer back to the pool."""
+        """Give the buffer back to the pool; the writer holds nothing afterwards."""
+        self.array = np.empty(0, dtype=np.uint8)
+        self.nbytes = 0
         self._finalizer()
 
 

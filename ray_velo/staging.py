@@ -271,9 +271,9 @@ def _callee(
         @functools.wraps(fn)
         def generator_body(*args: Any, **kwargs: Any) -> Iterator[Any]:
             held: list[DataHandle] = []
-            args, kwargs = _resolve_tree((args, kwargs), False, held)
             ok = False
             try:
+                args, kwargs = _resolve_tree((args, kwargs), False, held)
                 for item in fn(*args, **kwargs):
                     yield (
                         _stage_tree(item, options, _budget(options))
@@ -290,9 +290,10 @@ def _callee(
     @functools.wraps(fn)
     def body(*args: Any, **kwargs: Any) -> Any:
         held: list[DataHandle] = []
-        args, kwargs = _resolve_tree((args, kwargs), False, held)
         ok = False
         try:
+            # inside the try: arguments resolved before one that fails are consumed too
+            args, kwargs = _resolve_tree((args, kwargs), False, held)
             result = fn(*args, **kwargs)
             if options.stage_returns:
                 result = _stage_tree(result, options, _budget(options))
