@@ -36,6 +36,7 @@ context options, which are ``ConfigError``.
 
 from __future__ import annotations
 
+import abc
 import logging
 import mmap
 import threading
@@ -152,7 +153,7 @@ def _normalize_options(options: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-class _Node:
+class _Node(abc.ABC):
     """Shared lifetime bookkeeping: open children, idempotent ordered close."""
 
     _kind = "object"
@@ -219,11 +220,13 @@ class _Node:
         if first is not None:
             raise first
 
+    @abc.abstractmethod
     def _release(self) -> None:
-        raise NotImplementedError
+        """Free this object's own UCX resource (its children are already closed)."""
 
+    @abc.abstractmethod
     def _detach_from_parent(self) -> None:
-        raise NotImplementedError
+        """Drop the parent's reference to this child."""
 
     def __enter__(self) -> Any:
         return self
