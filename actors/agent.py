@@ -555,12 +555,16 @@ class RendezvousAgent:
 
     # --- local readers ---------------------------------------------------------------
 
-    def local_acquire(self, handle: DataHandle, pid: int, release: bool = False) -> LocalLease:
+    def local_acquire(
+        self, handle: DataHandle, pid: int, release: bool = False, hold: bool = False
+    ) -> LocalLease:
         """A lease for a process of this node reading an owned slot in place.
 
         A slot in a caller's region is never handed out in place (its owner may write it at
         any time): the reader gets a lease on a copy taken under the region's copy gate, and
-        ``release`` says whether the reader consumed its reference on the region slot.
+        ``release`` says whether the reader consumed its reference on the region slot. With
+        ``hold`` (the get family) the lease on the region slot stays the caller's, to detach
+        or release later; its id comes back as ``remote_lease_id``.
         """
         self._await_commit(handle)
         now = time.monotonic()
@@ -577,15 +581,18 @@ class RendezvousAgent:
             region_slot.region.copy_into(region_slot.offset, placement.view()[: slot.total_len])
             with self._lock:
                 # the copy stands in for the region slot: the reader's lease moves onto it
-                end = self.store.release if release else self.store.detach
-                self._release_all(end(handle, lease.lease_id), now)
+                if not hold:
+                    end = self.store.release if release else self.store.detach
+                    self._release_all(end(handle, lease.lease_id), now)
                 copy = self.store.stage(
                     slot.total_len, slot.type_header, placement, kind=kind, pinned=False, now=now
                 )
                 placement = None  # the copy slot owns it now
                 copy_slot = self.store.slot(copy)
                 copy_lease = self.store.acquire(copy, now, kind="local", holder_pid=pid)
-                return self._local_lease(copy_slot, copy_lease.lease_id)
+                return self._local_lease(
+                    copy_slot, copy_lease.lease_id, lease.lease_id if hold else 0
+                )
         except BaseException:
             with self._lock:
                 if placement is not None:

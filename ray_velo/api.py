@@ -341,7 +341,7 @@ def _lease_once(handle: DataHandle, mode: str, timeout: float | None) -> LocalLe
     bound, which = _fetch_bound(timeout, state.config)
     if handle.worker_id == state.worker_id:
         return _call(  # type: ignore[no-any-return]
-            state.agent.local_acquire.remote(handle, os.getpid(), mode == "release")
+            state.agent.local_acquire.remote(handle, os.getpid(), mode == "release", mode == "hold")
         )
     wait = None if bound is None else bound + _AGENT_SLACK_S
     return _call(  # type: ignore[no-any-return]

@@ -138,3 +138,17 @@ def test_concurrent_first_use_on_a_node_creates_one_agent(velo: None) -> None:
     for handle in handles:
         rv.release(handle, 0)
     register_all_peers()
+
+
+def test_get_of_a_region_slot_on_its_own_node_holds_a_real_lease(velo: None) -> None:
+    """get() on the region's node reads a copy (never the caller's memory) and hands back
+    the region slot's own lease id, which detach then ends."""
+    guard = rv.alloc_region(MiB)
+    guard.array[:] = 9
+    handle = rv.register_data_in_region(guard, 0, 4096)
+    view, lease_id = rv.get(handle)
+    assert bytes(view) == b"\x09" * 4096 and lease_id != 0
+    rv.detach(handle, lease_id)
+    assert rv.metadata(handle).refcount == 1
+    rv.release(handle, 0)
+    assert guard.unregister(timeout_s=5.0) == "drained"
