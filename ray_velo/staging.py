@@ -335,6 +335,16 @@ class TransferFunction:
         return self._inner.remote(*args, **kwargs)
 
     def options(self, **ray_options: Any) -> TransferFunction:
+        if "retry_exceptions" in ray_options:
+            # whether a failed body's arguments must survive for a retry is decided when
+            # the body is built: rebuild it for the new option
+            source_options = dict(self._source._default_options)
+            source_options.update(ray_options)
+            rebuilt = TransferFunction(
+                ray.remote(**source_options)(self._source._function), self._options
+            )
+            rebuilt._source = self._source
+            return rebuilt
         return TransferFunction(
             self._source, self._options, _inner=self._inner.options(**ray_options)
         )
@@ -391,9 +401,20 @@ class TransferActorClass:
         self._methods: dict[str, TransferOptions] = {}
         if _inner is None:
             namespace: dict[str, Any] = {}
+            class_retries = bool(_actor_options(actor_class).get("max_task_retries"))
             for name, method_options in _inner_methods(user_class, options):
                 self._methods[name] = method_options
-                namespace[name] = _callee(getattr(user_class, name), method_options)
+                method = getattr(user_class, name)
+                # @ray.method(retry_exceptions=...) (or the class's) marks a method whose
+                # failed calls Ray retries: its arguments must outlive a failed attempt.
+                retried = bool(getattr(method, "__ray_retry_exceptions__", False)) and (
+                    class_retries or bool(getattr(method, "__ray_max_task_retries__", 0))
+                )
+                wrapped = _callee(method, method_options, retried_on_error=retried)
+                for attribute in ("__ray_retry_exceptions__", "__ray_max_task_retries__"):
+                    if hasattr(method, attribute):
+                        setattr(wrapped, attribute, getattr(method, attribute))
+                namespace[name] = wrapped
             staged_class = type(user_class.__name__, (user_class,), namespace)
             staged_class.__qualname__ = user_class.__qualname__
             staged_class.__module__ = user_class.__module__
