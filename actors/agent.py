@@ -337,6 +337,7 @@ class RendezvousAgent:
                 ],
                 "copies": len(self._copies),
                 "ucx_endpoints": 0 if self.rdma is None else self.rdma.endpoint_count(),
+                "ucx_endpoints_reaped": 0 if self.rdma is None else self.rdma.endpoints_reaped,
                 "peers": sorted(self._peers),
                 "metrics": self.metrics.snapshot(),
             }
@@ -760,18 +761,17 @@ class RendezvousAgent:
             return self.store.ref(request.handle)
 
     def _rv_detach(self, data: bytes) -> None:
-        request = decode(DetachRequest, data)
-        self._await_commit(request.handle)
-        now = time.monotonic()
-        with self._lock:
-            self._release_all(self.store.detach(request.handle, request.lease_id), now)
+        self._end_owner_lease(decode(DetachRequest, data), release=False)
 
     def _rv_release(self, data: bytes) -> None:
-        request = decode(ReleaseRequest, data)
+        self._end_owner_lease(decode(ReleaseRequest, data), release=True)
+
+    def _end_owner_lease(self, request: DetachRequest | ReleaseRequest, release: bool) -> None:
+        """Detach (lock only) or release (lock and one reference); free the slot at zero."""
         self._await_commit(request.handle)
-        now = time.monotonic()
+        end = self.store.release if release else self.store.detach
         with self._lock:
-            self._release_all(self.store.release(request.handle, request.lease_id), now)
+            self._release_all(end(request.handle, request.lease_id), time.monotonic())
 
     def _rv_lease_renew(self, data: bytes) -> None:
         request = decode(LeaseRenewRequest, data)

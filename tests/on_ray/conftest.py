@@ -104,6 +104,27 @@ def velo(cluster: Cluster) -> Iterator[None]:
     )
 
 
+def stop_agent(node_id: str) -> None:
+    """Shut down and kill ``node_id``'s agent, and wait until its name is free again."""
+    import time
+
+    from ray_velo.actors import find_agent
+
+    try:
+        old = find_agent(node_id)
+        ray.get(old.shutdown.remote(), timeout=30)
+        ray.kill(old)
+    except ValueError:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            find_agent(node_id)
+        except ValueError:
+            return
+        time.sleep(0.05)
+
+
 def restart_agent(
     node: str, config: VeloConfig | None = None, env: dict[str, str] | None = None
 ) -> None:
@@ -112,28 +133,15 @@ def restart_agent(
     Everything the old agent staged is lost; the driver's cached view of its own node's
     agent is dropped so its next call finds the new one.
     """
-    import time
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from ray_velo import api
-    from ray_velo.actors import NAMESPACE, agent_name, ensure_agent, find_agent
+    from ray_velo.actors import NAMESPACE, agent_name, ensure_agent
     from ray_velo.actors.directory import RendezvousActor, register_all_peers
 
     node_id = node_ids()[node]
-    try:
-        old = find_agent(node_id)
-        ray.get(old.shutdown.remote(), timeout=30)
-        ray.kill(old)
-    except ValueError:
-        pass
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            find_agent(node_id)
-        except ValueError:
-            break
-        time.sleep(0.1)
+    stop_agent(node_id)
     options: dict[str, Any] = {
         "name": agent_name(node_id),
         "namespace": NAMESPACE,

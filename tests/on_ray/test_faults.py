@@ -14,7 +14,7 @@ import ray
 import ray_velo as rv
 from ray_velo.actors import ensure_agent
 from ray_velo.config import MiB
-from tests.on_ray.conftest import agent_info, node_ids, wait_until_freed
+from tests.on_ray.conftest import agent_info, node_ids, stop_agent, wait_until_freed
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -113,20 +113,9 @@ def test_owner_killed_mid_pull_gives_owner_died_and_consumer_keeps_serving(velo:
 def test_concurrent_first_use_on_a_node_creates_one_agent(velo: None) -> None:
     """Node b's agent is gone; eight tasks there stage at the same moment: exactly one new
     agent comes up (get_if_exists is atomic in Ray's GCS) and all eight use it."""
-    from ray_velo.actors import find_agent
     from ray_velo.actors.directory import register_all_peers
 
-    node_b = node_ids()["node_b"]
-    old = find_agent(node_b)
-    ray.get(old.shutdown.remote(), timeout=30)
-    ray.kill(old)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            find_agent(node_b)
-        except ValueError:
-            break
-        time.sleep(0.05)
+    stop_agent(node_ids()["node_b"])
 
     @ray.remote(**ON_B)
     def stage(i: int) -> rv.DataHandle:

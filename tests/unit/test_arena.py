@@ -9,7 +9,6 @@ import pickle
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +28,6 @@ from ray_velo.memory.arena import (
 
 OWNER = 0x0123_4567_89AB_CDEF
 REPO_ROOT = Path(ray_velo.__file__).resolve().parent.parent
-
-
-def _segments(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("ray_velo-"))
-
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    """A scratch shared-memory directory that must hold no segment when the test ends."""
-    directory = tmp_path / "shm"
-    directory.mkdir()
-    yield directory
-    assert _segments(directory) == [], "a ray_velo segment was left behind"
 
 
 def _mapped_paths() -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,22 +23,11 @@ from ray_velo.memory.pool import (
     bin_reserved_granules,
     page_range,
 )
+from tests.unit.conftest import segments as _segments
 
 MiB = 1 << 20
+
 OWNER = 0xFEED_0000_0000_0001
-
-
-def _segments(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith("ray_velo-"))
-
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    """A scratch shared-memory directory that must hold no segment when the test ends."""
-    directory = tmp_path / "shm"
-    directory.mkdir()
-    yield directory
-    assert _segments(directory) == [], "a ray_velo segment was left behind"
 
 
 def small_config(**changes: object) -> RdmaPoolConfig:
