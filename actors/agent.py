@@ -338,6 +338,7 @@ class RendezvousAgent:
                 "copies": len(self._copies),
                 "ucx_endpoints": 0 if self.rdma is None else self.rdma.endpoint_count(),
                 "ucx_endpoints_reaped": 0 if self.rdma is None else self.rdma.endpoints_reaped,
+                "ucx_transports": {} if self.rdma is None else self.rdma.transports(),
                 "peers": sorted(self._peers),
                 "metrics": self.metrics.snapshot(),
             }

@@ -90,10 +90,17 @@ def alive_node_ids() -> list[str]:
     return [n["NodeID"] for n in nodes if n.get("Alive")]
 
 
-def ensure_agent(node_id: str, config: VeloConfig | None = None) -> Any:
-    """The agent of ``node_id``, created there if it does not exist yet (race-free)."""
+def ensure_agent(
+    node_id: str, config: VeloConfig | None = None, env: dict[str, str] | None = None
+) -> Any:
+    """The agent of ``node_id``, created there if it does not exist yet (race-free).
+
+    ``env``: environment variables of a newly created agent (over its node's), e.g. the
+    kill switch for one agent; an existing agent keeps its own.
+    """
     if config is None:
         config = load_cluster_config()
+    extra: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
     return RendezvousActor.options(
         name=agent_name(node_id),
         namespace=NAMESPACE,
@@ -103,12 +110,15 @@ def ensure_agent(node_id: str, config: VeloConfig | None = None) -> Any:
         # (or `ray-velo stop`) ends it; with the embedded local cluster, Ray's exit does.
         lifetime="detached",
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        **extra,
     ).remote(config, node_id)
 
 
-def ensure_agents(config: VeloConfig, timeout_s: float = 120.0) -> dict[str, Any]:
+def ensure_agents(
+    config: VeloConfig, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """An agent on every alive node, each answering a ping. Returns them by node id."""
-    agents = {node_id: ensure_agent(node_id, config) for node_id in alive_node_ids()}
+    agents = {node_id: ensure_agent(node_id, config, env) for node_id in alive_node_ids()}
     ray.get([agent.ping.remote() for agent in agents.values()], timeout=timeout_s)
     register_all_peers(agents, timeout_s)
     return agents

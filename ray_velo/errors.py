@@ -34,6 +34,8 @@ __all__ = [
     "RegionError",
     "SharedMemoryTooSmall",
     "StagingError",
+    "TestbedError",
+    "TestbedUnavailable",
     "TransferError",
     "TransferTimeout",
     "UcxError",
@@ -293,3 +295,27 @@ class UcxError(TransferError):
     def _describe(self) -> str:
         f = self.fields
         return f"UCX {f.get('operation')} failed: {f.get('status_text')} (status {f.get('status')})"
+
+
+# --- the emulated multi-host testbed (bench and tests) ---------------------------------
+
+
+class TestbedError(VeloError, RuntimeError):
+    """Building or running the emulated multi-host testbed failed. Fields: ``step``,
+    ``detail``."""
+
+    __test__ = False  # not a pytest test class
+
+    def _describe(self) -> str:
+        f = self.fields
+        return f"testbed: {f.get('step')} failed: {f.get('detail')}"
+
+
+class TestbedUnavailable(TestbedError):
+    """This machine cannot make the testbed's network namespaces. Fields: ``reason``."""
+
+    def _describe(self) -> str:
+        return (
+            f"cannot build the emulated multi-host testbed: {self.fields.get('reason')}. It "
+            "needs root (CAP_NET_ADMIN) and the `ip` and `tc` commands (iproute2)"
+        )

@@ -63,6 +63,10 @@ typedef struct { uint64_t field_mask; void *address; size_t length; unsigned fla
 typedef struct { uint64_t field_mask; void *address; size_t length;
                  ucs_memory_type_t mem_type; ...; } ucp_mem_attr_t;
 typedef struct { uint32_t op_attr_mask; uint32_t flags; ucp_mem_h memh; ...; } ucp_request_param_t;
+typedef struct { const char *transport_name; const char *device_name; } ucp_transport_entry_t;
+typedef struct { ucp_transport_entry_t *entries; unsigned num_entries; size_t entry_size;
+                 ...; } ucp_transports_t;
+typedef struct { uint64_t field_mask; ucp_transports_t transports; ...; } ucp_ep_attr_t;
 
 #define UCP_API_MAJOR ...
 #define UCP_API_MINOR ...
@@ -84,6 +88,7 @@ typedef struct { uint32_t op_attr_mask; uint32_t flags; ucp_mem_h memh; ...; } u
 #define UCP_ERR_HANDLING_MODE_NONE ...
 #define UCP_ERR_HANDLING_MODE_PEER ...
 #define UCP_EP_CLOSE_FLAG_FORCE ...
+#define UCP_EP_ATTR_FIELD_TRANSPORTS ...
 
 #define UCP_MEM_MAP_PARAM_FIELD_ADDRESS ...
 #define UCP_MEM_MAP_PARAM_FIELD_LENGTH ...
@@ -144,6 +149,7 @@ ucs_status_t ucp_worker_signal(ucp_worker_h worker);
 
 ucs_status_t ucp_ep_create(ucp_worker_h worker, const ucp_ep_params_t *params, ucp_ep_h *ep_p);
 ucs_status_ptr_t ucp_ep_close_nbx(ucp_ep_h ep, const ucp_request_param_t *param);
+ucs_status_t ucp_ep_query(ucp_ep_h ep, ucp_ep_attr_t *attr);
 
 ucs_status_t ucp_mem_map(ucp_context_h context, const ucp_mem_map_params_t *params,
                          ucp_mem_h *memh_p);

@@ -68,6 +68,8 @@ class UcxRdmaBackend:
         self._peer_workers: dict[str, int] = {}
         self._endpoints: dict[str, Endpoint] = {}
         self._last_used: dict[str, float] = {}
+        #: (transport, device) of each peer's endpoint lanes, learnt after its first GET.
+        self._transports: dict[str, list[tuple[str, str]]] = {}
         self._generation = itertools.count(1)
         self._closed = False
         self.endpoints_reaped = 0
@@ -87,6 +89,7 @@ class UcxRdmaBackend:
             self._peer_addresses[node] = bytes(address)
             self._peer_workers[node] = worker_id
             stale = self._endpoints.pop(node, None)
+            self._transports.pop(node, None)
         if stale is not None:
             stale.close()
         if self.config.eager_endpoints:
@@ -195,6 +198,9 @@ class UcxRdmaBackend:
             )
             with self._lock:
                 self._last_used[node] = time.monotonic()  # the idle clock restarts
+                known = node in self._transports
+            if not known:
+                self._record_transports(node, endpoint)
         except UcxError:
             if endpoint.error_status != 0 or endpoint.closed:
                 with self._lock:
@@ -204,6 +210,22 @@ class UcxRdmaBackend:
             raise
         finally:
             rkey.close()
+
+    def _record_transports(self, node: str, endpoint: Endpoint) -> None:
+        try:
+            lanes = endpoint.transports()
+        except UcxError:
+            return
+        with self._lock:
+            self._transports[node] = lanes
+
+    def transports(self) -> dict[str, list[str]]:
+        """Per peer node: the ``transport/device`` lanes its endpoint used for a GET
+        (``["tcp/veth0"]``); peers no GET went to yet are absent."""
+        with self._lock:
+            return {
+                node: [f"{t}/{d}" for t, d in lanes] for node, lanes in self._transports.items()
+            }
 
     # --- lifetime ----------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import abc
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Mapping
 from types import TracebackType
@@ -85,6 +86,12 @@ _REQUIRED_OPTIONS: Final = {"RNDV_THRESH": "inf"}
 _DEFAULT_OPTIONS: Final = {"RCACHE_ENABLE": "n"}
 """The spec's defaults; every ucp_mem_map is then a fresh registration and nothing is cached."""
 
+TUNED_DEFAULTS: Final = {"TCP_TX_SEG_SIZE": "128k", "TCP_RX_SEG_SIZE": "128k"}
+"""Applied unless ``UCX_<NAME>`` is in the environment (or in the caller's options). UCX's own
+tcp segments (8 KiB) cap a GET near 1 GB/s on any link; 128 KiB ran the 10 Gbit/s testbed link
+at line rate, the 25 Gbit/s one at 0.9 of a plain socket and the unshaped veth at 4-5 GB/s,
+where larger segments measured slower under shaping (docs/tuning.md has the sweep)."""
+
 # Error cells and requests UCX may still write after a close we could not confirm. Keeping
 # them reachable forever is the safe failure (a leak, not a write into freed memory).
 _leaked: list[object] = []
@@ -126,6 +133,7 @@ def _check_u64(operation: str, name: str, value: int) -> None:
 def _normalize_options(options: Mapping[str, str]) -> dict[str, str]:
     """Caller's options as ucp_config_modify names (no ``UCX_`` prefix), checked."""
     out: dict[str, str] = dict(_DEFAULT_OPTIONS)
+    out.update({k: v for k, v in TUNED_DEFAULTS.items() if f"UCX_{k}" not in os.environ})
     for raw_key, raw_value in options.items():
         key = str(raw_key).upper()
         key = key.removeprefix("UCX_")
@@ -244,7 +252,8 @@ class UcxContext(_Node):
     """A ``ucp_context``: features RMA and WAKEUP, thread-safe (``mt_workers_shared``).
 
     Settings: ``ucp_config_read`` reads the ``UCX_*`` environment (so ``UCX_TLS`` and the like
-    apply), then ``RCACHE_ENABLE=n``, then the caller's ``options``, then ``RNDV_THRESH=inf``
+    apply), then ``RCACHE_ENABLE=n``, the tcp defaults of :data:`TUNED_DEFAULTS` (only where
+    the environment does not set them), then the caller's ``options``, then ``RNDV_THRESH=inf``
     are applied with ``ucp_config_modify`` (they win over the environment).
 
     Args:
@@ -586,6 +595,32 @@ class Endpoint(_Node):
 
     def _detach_from_parent(self) -> None:
         self.worker._forget(self)
+
+    def transports(self) -> list[tuple[str, str]]:
+        """The ``(transport, device)`` pairs this endpoint's lanes use (``ucp_ep_query``),
+        e.g. ``[("tcp", "veth0")]``; empty before wireup chose them.
+
+        Raises:
+            UcxError: the endpoint is closed or the query fails.
+        """
+        ffi, lib = self._b
+        capacity = 16
+        entries = ffi.new("ucp_transport_entry_t[]", capacity)
+        attr = ffi.new("ucp_ep_attr_t *")
+        attr.field_mask = lib.UCP_EP_ATTR_FIELD_TRANSPORTS
+        attr.transports.entries = entries
+        attr.transports.num_entries = capacity
+        attr.transports.entry_size = ffi.sizeof("ucp_transport_entry_t")
+        with self._lock:
+            self._check_usable("ucp_ep_query")
+            check_status(lib.ucp_ep_query(self._handle, attr), "ucp_ep_query")
+            pairs = []
+            for i in range(min(int(attr.transports.num_entries), capacity)):
+                entry = entries[i]
+                name = ffi.string(entry.transport_name).decode() if entry.transport_name else ""
+                device = ffi.string(entry.device_name).decode() if entry.device_name else ""
+                pairs.append((name, device))
+        return pairs
 
     @property
     def in_flight(self) -> int:

@@ -24,12 +24,13 @@ import statistics
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ray_velo.bench.actors import bench_actors, pipeline_stages
 
 MiB = 1 << 20
 
@@ -54,12 +55,6 @@ class BenchRow:
         return out
 
 
-def _touch(array: Any) -> int:
-    """Read every page (a materialized fetch, not a lazy view)."""
-    flat = np.asarray(array).reshape(-1).view(np.uint8)
-    return int(flat[::4096].sum()) + (int(flat[-1]) if flat.size else 0)
-
-
 # --- the two-node cluster ------------------------------------------------------------------
 
 
@@ -82,8 +77,9 @@ class _Cluster:
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, log_to_driver=False)
         rv.init(config)
-        self.producer = _Producer.options(resources={"node_a": 1}).remote()
-        self.consumer = _Consumer.options(resources={"node_b": 1}).remote()
+        producer, consumer = bench_actors()
+        self.producer = producer.options(resources={"node_a": 1}).remote()
+        self.consumer = consumer.options(resources={"node_b": 1}).remote()
         ray.get([self.producer.ready.remote(), self.consumer.ready.remote()])
 
     def close(self) -> None:
@@ -94,89 +90,6 @@ class _Cluster:
         rv.shutdown()
         ray.shutdown()
         self.cluster.shutdown()  # type: ignore[no-untyped-call]
-
-
-def _remote_classes() -> tuple[Any, Any]:
-    import ray
-
-    import ray_velo as rv
-
-    @ray.remote(num_cpus=0)
-    class Producer:
-        def ready(self) -> bool:
-            return True
-
-        def make(self, nbytes: int, full_crc: bool = False) -> int:
-            self.array = (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
-            return zlib.crc32((self.array if full_crc else self.array[: 1 << 20]).data)
-
-        def ray_put(self) -> tuple[list[Any], float]:
-            started = time.perf_counter()
-            ref = ray.put(self.array)
-            return [ref], time.perf_counter() - started
-
-        def velo_put(self, pinned: bool) -> tuple[rv.DataHandle, float]:
-            started = time.perf_counter()
-            handle = rv.put(self.array, pinned=pinned)
-            return handle, time.perf_counter() - started
-
-        def drop(self) -> None:
-            del self.array
-
-    @ray.remote(num_cpus=0)
-    class Consumer:
-        def ready(self) -> bool:
-            return True
-
-        def ray_get(self, refs: list[Any]) -> float:
-            started = time.perf_counter()
-            value = ray.get(refs[0])
-            _touch(value)
-            elapsed = time.perf_counter() - started
-            del value
-            return elapsed
-
-        def velo_fetch(self, handle: rv.DataHandle) -> tuple[float, float | None]:
-            agent = rv.api._process().agent
-            before = ray.get(agent.info.remote())["metrics"]
-            started = time.perf_counter()
-            value = rv.fetch(handle)
-            _touch(value)
-            elapsed = time.perf_counter() - started
-            del value
-            after = ray.get(agent.info.remote())["metrics"]
-            gets = after["velo_rendezvous_rdma_get_duration_seconds"]
-            gets0 = before["velo_rendezvous_rdma_get_duration_seconds"]
-            leg = gets["sum"] - gets0["sum"] if gets["count"] > gets0["count"] else None
-            return elapsed, leg
-
-        def ray_get_crc(self, refs: list[Any]) -> tuple[float, int]:
-            started = time.perf_counter()
-            value = ray.get(refs[0])
-            crc = zlib.crc32(value)
-            return time.perf_counter() - started, crc
-
-        def velo_fetch_crc(self, handle: rv.DataHandle) -> tuple[float, int]:
-            started = time.perf_counter()
-            crc = zlib.crc32(rv.fetch(handle))
-            return time.perf_counter() - started, crc
-
-        def path_counts(self) -> dict[str, int]:
-            agent = rv.api._process().agent
-            counts = ray.get(agent.info.remote())["metrics"]["velo_rendezvous_rdma_path_total"]
-            return dict(counts)
-
-    return Producer, Consumer
-
-
-_Producer: Any = None
-_Consumer: Any = None
-
-
-def _ensure_classes() -> None:
-    global _Producer, _Consumer
-    if _Producer is None:
-        _Producer, _Consumer = _remote_classes()
 
 
 # --- raw UCX ceiling ---------------------------------------------------------------------
@@ -277,7 +190,6 @@ def run_bench(
     """Measure every column for every size, side by side, in one run."""
     import ray
 
-    _ensure_classes()
     largest = max(sizes)
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest), config=config)
     rows: list[BenchRow] = []
@@ -402,7 +314,6 @@ def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
     """
     import ray
 
-    _ensure_classes()
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * size_bytes))
     lines = []
     try:
@@ -451,25 +362,12 @@ def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
 
     import ray_velo as rv
 
-    def stage_one(array_bytes: int) -> Any:
-        class Batches:
-            def __init__(self) -> None:
-                self.array = (np.arange(array_bytes, dtype=np.uint64) % 251).astype(np.uint8)
-
-            def batch(self) -> np.ndarray:
-                return self.array
-
-        return Batches
-
-    def stage_two(array: np.ndarray) -> int:
-        return _touch(array)
-
-    _ensure_classes()
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 4 * size_bytes))
     lines = []
     try:
-        plain_actor = ray.remote(num_cpus=0, resources={"node_a": 1})(stage_one(size_bytes))
-        plain_task = ray.remote(num_cpus=0, resources={"node_b": 1})(stage_two)
+        batches, read_all = pipeline_stages(size_bytes)
+        plain_actor = ray.remote(num_cpus=0, resources={"node_a": 1})(batches)
+        plain_task = ray.remote(num_cpus=0, resources={"node_b": 1})(read_all)
         velo_actor = rv.transfer(plain_actor)
         velo_task = rv.transfer(plain_task)
         producers = {"ray": plain_actor.remote(), "velo": velo_actor.remote()}

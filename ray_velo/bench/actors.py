@@ -1,0 +1,130 @@
+"""The actors every benchmark places on its nodes: a producer and a consumer of arrays.
+
+The producer holds a prepared array (made untimed) and hands it on through Ray's object store
+or ray_velo; the consumer takes it and reads every page (a materialized transfer, not a lazy
+view). Both time themselves with ``perf_counter`` so the driver's own scheduling is not counted.
+Ray is imported when :func:`bench_actors` is first called, not at import.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+__all__ = ["bench_actors", "pipeline_stages", "touch"]
+
+
+def touch(array: Any) -> int:
+    """Read every page of ``array`` (a materialized fetch, not a lazy view)."""
+    flat = np.asarray(array).reshape(-1).view(np.uint8)
+    return int(flat[::4096].sum()) + (int(flat[-1]) if flat.size else 0)
+
+
+def _make(nbytes: int) -> np.ndarray[Any, Any]:
+    return (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
+
+
+def _classes() -> tuple[Any, Any]:
+    import ray
+
+    import ray_velo as rv
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        def ready(self) -> bool:
+            return True
+
+        def make(self, nbytes: int, full_crc: bool = False) -> int:
+            self.array = _make(nbytes)
+            return zlib.crc32((self.array if full_crc else self.array[: 1 << 20]).data)
+
+        def ray_put(self) -> tuple[list[Any], float]:
+            started = time.perf_counter()
+            ref = ray.put(self.array)
+            return [ref], time.perf_counter() - started
+
+        def velo_put(self, pinned: bool) -> tuple[rv.DataHandle, float]:
+            started = time.perf_counter()
+            handle = rv.put(self.array, pinned=pinned)
+            return handle, time.perf_counter() - started
+
+        def drop(self) -> None:
+            del self.array
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def ready(self) -> bool:
+            return True
+
+        def ray_get(self, refs: list[Any]) -> float:
+            started = time.perf_counter()
+            value = ray.get(refs[0])
+            touch(value)
+            elapsed = time.perf_counter() - started
+            del value
+            return elapsed
+
+        def velo_fetch(self, handle: rv.DataHandle) -> tuple[float, float | None]:
+            """(fetch + read seconds, the agent's GET seconds or None when no GET ran)."""
+            agent = rv.api._process().agent
+            before = ray.get(agent.info.remote())["metrics"]
+            started = time.perf_counter()
+            value = rv.fetch(handle)
+            touch(value)
+            elapsed = time.perf_counter() - started
+            del value
+            after = ray.get(agent.info.remote())["metrics"]
+            gets = after["velo_rendezvous_rdma_get_duration_seconds"]
+            gets0 = before["velo_rendezvous_rdma_get_duration_seconds"]
+            leg = gets["sum"] - gets0["sum"] if gets["count"] > gets0["count"] else None
+            return elapsed, leg
+
+        def ray_get_crc(self, refs: list[Any]) -> tuple[float, int]:
+            started = time.perf_counter()
+            value = ray.get(refs[0])
+            crc = zlib.crc32(value)
+            return time.perf_counter() - started, crc
+
+        def velo_fetch_crc(self, handle: rv.DataHandle) -> tuple[float, int]:
+            started = time.perf_counter()
+            crc = zlib.crc32(rv.fetch(handle))
+            return time.perf_counter() - started, crc
+
+        def agent_info(self) -> dict[str, Any]:
+            return ray.get(rv.api._process().agent.info.remote())  # type: ignore[no-any-return]
+
+        def path_counts(self) -> dict[str, int]:
+            return dict(self.agent_info()["metrics"]["velo_rendezvous_rdma_path_total"])
+
+    return Producer, Consumer
+
+
+_classes_made: tuple[Any, Any] | None = None
+
+
+def bench_actors() -> tuple[Any, Any]:
+    """The (Producer, Consumer) actor classes, made once per process."""
+    global _classes_made
+    if _classes_made is None:
+        _classes_made = _classes()
+    return _classes_made
+
+
+def pipeline_stages(array_bytes: int) -> tuple[type, Any]:
+    """A two-stage pipeline: an actor class whose ``batch()`` returns a prepared array,
+    and a function that reads all of it (returns a checksum)."""
+
+    class Batches:
+        def __init__(self) -> None:
+            self.array = _make(array_bytes)
+
+        def batch(self) -> np.ndarray[Any, Any]:
+            return self.array
+
+    def read_all(array: np.ndarray[Any, Any]) -> int:
+        return touch(array)
+
+    return Batches, read_all

@@ -1,0 +1,199 @@
+"""The two-host bench's driver: runs inside host a of the testbed, measures, reports JSON.
+
+Started by :mod:`ray_velo.bench.twohost` as ``python -m ray_velo.bench.hostdriver`` inside
+the first host's namespace. A producer actor on host a hands arrays to a consumer actor on
+host b; every column is measured here, in one run, side by side:
+
+* ``ray``: Ray's object store: ``ray.put`` on a, ``ray.get`` and a read of every page on b.
+* ``velo``: ``rv.put`` on a, ``rv.fetch`` and the same read on b (UCX GET over the link).
+* ``get_leg``: the consumer agent's UCX GET alone.
+* ``pipe_ray`` / ``pipe_velo``: an actor on a returns the array to a task on b that reads
+  it, undecorated and under ``@rv.transfer``, timed from this driver.
+* ``chunked``: ``velo`` again with the kill switch on both agents (the chunked path).
+
+Progress goes to stderr; the last stdout line is ``RESULT <json>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+MiB = 1 << 20
+RESULT_PREFIX = "RESULT "
+KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
+
+__all__ = ["RESULT_PREFIX", "main", "measure"]
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _median(samples: list[float]) -> float | None:
+    return statistics.median(samples) if samples else None
+
+
+def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def _pair(producer_cls: Any, consumer_cls: Any, hosts: Sequence[Any]) -> tuple[Any, Any]:
+    import ray
+
+    producer = producer_cls.options(resources={hosts[0].resource: 1}).remote()
+    consumer = consumer_cls.options(resources={hosts[1].resource: 1}).remote()
+    ray.get([producer.ready.remote(), consumer.ready.remote()], timeout=120)
+    return producer, consumer
+
+
+def _repeat(reps: int, one: Callable[[], dict[str, float | None]]) -> dict[str, float | None]:
+    """Medians of ``one()``'s columns over ``reps`` runs after one uncounted warm-up."""
+    samples: dict[str, list[float]] = {}
+    for rep in range(reps + 1):
+        for column, value in one().items():
+            if rep and value is not None:
+                samples.setdefault(column, []).append(value)
+    return {column: _median(values) for column, values in samples.items()}
+
+
+def _transfers(producer: Any, consumer: Any, with_ray: bool) -> Callable[[], dict[str, Any]]:
+    import ray
+
+    def one() -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        if with_ray:
+            refs, put_s = ray.get(producer.ray_put.remote())
+            get_s = ray.get(consumer.ray_get.remote(refs))
+            del refs
+            out["ray"] = put_s + get_s
+        handle, put_s = ray.get(producer.velo_put.remote(True))
+        fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
+        out["velo"] = put_s + fetch_s
+        out["get_leg"] = leg_s
+        return out
+
+    return one
+
+
+def _pipelines(
+    size: int, hosts: Sequence[Any]
+) -> tuple[Callable[[], dict[str, float | None]], list[Any]]:
+    """One round of both pipelines, and the producer actors to kill afterwards."""
+    import ray
+
+    import ray_velo as rv
+    from ray_velo.bench.actors import pipeline_stages
+
+    batches, read_all = pipeline_stages(size)
+    plain_actor = ray.remote(num_cpus=0, resources={hosts[0].resource: 1})(batches)
+    plain_task = ray.remote(num_cpus=0, resources={hosts[1].resource: 1})(read_all)
+    stages = {
+        "pipe_ray": (plain_actor.remote(), plain_task),
+        "pipe_velo": (rv.transfer(plain_actor).remote(), rv.transfer(plain_task)),
+    }
+
+    def one() -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for column, (actor, task) in stages.items():
+            started = time.perf_counter()
+            ray.get(task.remote(actor.batch.remote()))
+            out[column] = time.perf_counter() - started
+        return out
+
+    return one, [actor for actor, _ in stages.values()]
+
+
+def _restart_agents(config: Any, env: dict[str, str]) -> None:
+    """Stop every agent and start new ones with ``env`` (the kill switch)."""
+    import ray_velo as rv
+    from ray_velo.actors.directory import (
+        alive_node_ids,
+        ensure_agents,
+        find_agent,
+        store_cluster_config,
+    )
+
+    rv.shutdown(stop_ray=False)
+    deadline = time.monotonic() + 60
+    for node_id in alive_node_ids():
+        while time.monotonic() < deadline:  # a killed actor's name frees a moment later
+            try:
+                find_agent(node_id)
+            except ValueError:
+                break
+            time.sleep(0.05)
+    store_cluster_config(config)
+    ensure_agents(config, env=env)
+
+
+def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, Any]:
+    """Every column for every size (see the module docstring), medians in seconds."""
+    import ray
+
+    import ray_velo as rv
+    from ray_velo.bench.actors import bench_actors
+    from ray_velo.config import VeloConfig
+    from ray_velo.testbed import connect
+
+    config = config or VeloConfig()
+    info = connect()
+    rv.init(config)
+    producer_cls, consumer_cls = bench_actors()
+    producer, consumer = _pair(producer_cls, consumer_cls, info.hosts)
+    rows: dict[int, dict[str, float | None]] = {}
+    paths: dict[str, dict[str, int]] = {}
+    before = ray.get(consumer.path_counts.remote())
+    for size in sizes:
+        _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
+        ray.get(producer.make.remote(size))
+        rows[size] = _repeat(reps, _transfers(producer, consumer, with_ray=True))
+        _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
+        pipelines, producers = _pipelines(size, info.hosts)
+        rows[size].update(_repeat(reps, pipelines))
+        for actor in producers:
+            ray.kill(getattr(actor, "ray_handle", actor))
+        ray.get(producer.drop.remote())
+    consumer_info = ray.get(consumer.agent_info.remote())
+    paths["velo"] = _moved(before, ray.get(consumer.path_counts.remote()))
+    transports = consumer_info["ucx_transports"]
+    for actor in (producer, consumer):
+        ray.kill(actor)
+
+    _say("  the chunked path: agents restarted with VELO_RDMA_RENDEZVOUS_DISABLE=1")
+    _restart_agents(config, KILL_SWITCH)
+    producer, consumer = _pair(producer_cls, consumer_cls, info.hosts)
+    before = ray.get(consumer.path_counts.remote())
+    for size in sizes:
+        ray.get(producer.make.remote(size))
+        chunked = _repeat(reps, _transfers(producer, consumer, with_ray=False))
+        rows[size]["chunked"] = chunked["velo"]
+        ray.get(producer.drop.remote())
+    paths["chunked"] = _moved(before, ray.get(consumer.path_counts.remote()))
+    rv.shutdown()
+    return {
+        "rows": {str(size): row for size, row in rows.items()},
+        "paths": paths,
+        "transports": transports,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ray_velo.bench.hostdriver")
+    parser.add_argument("--sizes", required=True, help="payload sizes in bytes, comma separated")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    result = measure(sizes, args.reps)
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

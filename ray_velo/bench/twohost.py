@@ -1,0 +1,163 @@
+"""``ray-velo bench --two-host``: ray_velo across two emulated hosts, beside Ray and the link.
+
+For each link rate asked for, one :class:`~ray_velo.testbed.Testbed` (two network
+namespaces, a veth link shaped with ``tc tbf``, a Ray node started with ``ray start`` in each,
+UCX over TCP) is built, and in that one run:
+
+1. the link's ceilings are probed: a plain TCP socket (``raw_tcp``) and a bare UCX GET
+   (``raw_ucx``) from host a to host b, same UCX settings as the agents;
+2. the driver (:mod:`ray_velo.bench.hostdriver`) runs inside host a and measures Ray's object
+   store, ``rv.put``/``rv.fetch``, the ``@rv.transfer`` pipeline and the chunked path;
+3. everything the testbed started is ended by pid and the namespaces are removed.
+
+Ratios are what to read: ``velo/ray`` and ``velo/raw`` (raw = the plain socket).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_velo.bench.hostdriver import RESULT_PREFIX
+from ray_velo.errors import TestbedError
+
+__all__ = ["LinkResult", "format_two_host", "run_two_host"]
+
+MiB = 1 << 20
+DRIVER_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class LinkResult:
+    """One link's measurements: per size, each column's median seconds."""
+
+    link: str
+    rows: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    paths: dict[str, dict[str, int]] = field(default_factory=dict)
+    transports: dict[str, list[str]] = field(default_factory=dict)
+
+    def gbps(self, size: int, column: str) -> float | None:
+        seconds = self.rows.get(size, {}).get(column)
+        return size / seconds / 1e9 if seconds else None
+
+    def ratio(self, size: int, a: str, b: str) -> float | None:
+        x, y = self.gbps(size, a), self.gbps(size, b)
+        return x / y if x and y else None
+
+    def transport(self) -> str:
+        lanes = sorted({lane for node in self.transports.values() for lane in node})
+        return ",".join(lanes) or "no UCX GET ran"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "link": self.link,
+            "transport": self.transport(),
+            "rows": {
+                str(size): {
+                    "seconds": row,
+                    "gbps": {c: self.gbps(size, c) for c in row},
+                }
+                for size, row in self.rows.items()
+            },
+            "paths": self.paths,
+        }
+
+
+def _drive(testbed: Any, sizes: Sequence[int], reps: int) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "ray_velo.bench.hostdriver"]
+    argv += ["--sizes", ",".join(map(str, sizes)), "--reps", str(reps)]
+    driver = testbed.popen(argv, stdout=subprocess.PIPE, stderr=None)
+    try:
+        out, _ = driver.communicate(timeout=DRIVER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        driver.kill()
+        raise TestbedError(step="bench driver", detail="timed out") from exc
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])  # type: ignore[no-any-return]
+    raise TestbedError(
+        step="bench driver", detail=f"exit {driver.returncode} without a result: {out[-800:]}"
+    )
+
+
+def run_two_host(
+    links: Sequence[str], sizes: Sequence[int], reps: int = 5, *, with_raw: bool = True
+) -> list[LinkResult]:
+    """Measure every link in ``links`` (one testbed each); see the module docstring.
+
+    Raises:
+        TestbedUnavailable: this machine cannot make network namespaces (not root).
+        TestbedError: a node or the driver failed.
+    """
+    from ray_velo.testbed import Testbed
+    from ray_velo.testbed.probes import raw_tcp, raw_ucx_get
+
+    results = []
+    for link in links:
+        sys.stderr.write(f"two-host testbed, link {link}:\n")
+        store = max(1 << 30, 4 * max(sizes))
+        with Testbed(hosts=2, link=link, object_store_bytes=store) as testbed:
+            result = LinkResult(link)
+            if with_raw:
+                for size in sizes:
+                    sys.stderr.write(f"  {size // MiB} MiB: raw TCP socket and bare UCX GET\n")
+                    result.rows.setdefault(size, {})["raw_tcp"] = raw_tcp(testbed, size, reps)
+                    result.rows[size]["raw_ucx"] = raw_ucx_get(testbed, size, reps)
+            measured = _drive(testbed, sizes, reps)
+        for size_text, row in measured["rows"].items():
+            result.rows.setdefault(int(size_text), {}).update(row)
+        result.paths = measured["paths"]
+        result.transports = measured["transports"]
+        results.append(result)
+    return results
+
+
+_COLUMNS = (
+    ("ray", "Ray"),
+    ("velo", "velo"),
+    ("chunked", "chunked"),
+    ("pipe_ray", "pipe Ray"),
+    ("pipe_velo", "pipe velo"),
+    ("raw_tcp", "raw tcp"),
+    ("raw_ucx", "raw ucx"),
+)
+_RATIOS = (
+    ("velo", "ray", "velo/Ray"),
+    ("velo", "raw_tcp", "velo/raw"),
+    ("chunked", "ray", "chunk/Ray"),
+    ("pipe_velo", "pipe_ray", "pipe v/R"),
+)
+
+
+def format_two_host(results: Sequence[LinkResult]) -> str:
+    """The results as text: GB/s per column, then the ratios, one block per link."""
+    head = f"{'link':>7} {'size':>8} " + " ".join(f"{label:>9}" for _, label in _COLUMNS)
+    head += " " + " ".join(f"{label:>9}" for *_, label in _RATIOS)
+    lines = [head, "-" * len(head)]
+    for result in results:
+        for size in sorted(result.rows):
+            cells = []
+            for column, _ in _COLUMNS:
+                value = result.gbps(size, column)
+                cells.append(f"{value:>9.2f}" if value is not None else f"{'-':>9}")
+            for a, b, _ in _RATIOS:
+                value = result.ratio(size, a, b)
+                cells.append(f"{value:>8.2f}x" if value is not None else f"{'-':>9}")
+            lines.append(f"{result.link:>7} {size // MiB:>4} MiB " + " ".join(cells))
+        lines.append(
+            f"{'':>7} UCX transport that moved velo's bytes: {result.transport()}; "
+            f"consumer path decisions {result.paths}"
+        )
+    lines.append("")
+    lines.append(
+        "GB/s, medians. Two emulated hosts (network namespaces, veth link shaped with tc tbf, "
+        "`ray start` on each, UCX over tcp). Ray / velo / chunked = put on host a + fetch and "
+        "read of every page on host b (chunked: kill switch on both agents); pipe = actor on a "
+        "returns the array to a task on b that reads it, undecorated vs @rv.transfer, timed "
+        "from the driver; raw tcp = one plain TCP socket a -> b; raw ucx = bare UCX GET."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,332 @@
+"""A real Ray cluster across emulated hosts: ``ray start`` in each network namespace.
+
+:class:`Testbed` builds a :class:`~ray_velo.testbed.netns.Network`, starts a Ray head in the
+first host and a worker node in each other one with the documented CLI (``ray start``), each
+with a custom resource naming its host (``host_a``, ``host_b``, ...), and tells UCX to use TCP
+on the hosts' link: the namespaces share one kernel, so UCX would otherwise pick shared memory
+or CMA, a path no two real hosts have.
+
+Drivers run inside a host (``ip netns exec``): :meth:`Testbed.run` starts one, and the driver
+calls :func:`connect` to join the cluster. Teardown ends every process inside the namespaces by
+pid (never ``ray stop``, which ends every Ray process on the machine), removes the shared-memory
+segments those processes left, the namespaces and the cluster's temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any, Final
+
+from ray_velo.errors import TestbedError
+from ray_velo.testbed.netns import IFACE, Network, parse_rate, remove_stale_networks
+
+__all__ = ["ENV_VAR", "GCS_PORT", "Host", "Testbed", "TestbedInfo", "connect"]
+
+GCS_PORT: Final = 6379
+ENV_VAR: Final = "RAY_VELO_TESTBED"
+"""What a driver inside the testbed reads to connect (JSON of :class:`TestbedInfo`)."""
+_HOST_RESOURCE_UNITS: Final = 1000
+#: The environment of every Ray process in the testbed: UCX over TCP on the hosts' link, one
+#: auth mode for nodes and drivers (research/two-host.md), no usage reporting.
+BASE_ENV: Final = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "UCX_TLS": "tcp",
+    "UCX_NET_DEVICES": IFACE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One emulated host of a running testbed.
+
+    ``resource`` is the custom resource its Ray node has (``host_a``...): ask for a small
+    amount of it (``resources={"host_b": 0.01}``) to place a task or actor there.
+    """
+
+    index: int
+    name: str
+    netns: str
+    address: str
+    resource: str
+
+
+@dataclass(frozen=True, slots=True)
+class TestbedInfo:
+    """What a driver needs to join: the head's address, its own host, every host."""
+
+    __test__ = False  # not a pytest test class
+
+    address: str
+    node_ip: str
+    hosts: tuple[Host, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TestbedInfo:
+        data = json.loads(text)
+        return cls(data["address"], data["node_ip"], tuple(Host(**h) for h in data["hosts"]))
+
+
+class Testbed:
+    """Emulated hosts with a Ray node on each (see the module docstring).
+
+    Args:
+        hosts: number of hosts (>= 2; names a, b, c...).
+        link: link rate (``"10gbit"``, ``"25gbit"``, ``"none"`` or None for unshaped).
+        num_cpus: logical CPUs each Ray node advertises.
+        object_store_bytes: each node's object store (None: Ray's default).
+        env: extra environment for every Ray node (e.g. ``UCX_*`` settings).
+        host_env: extra environment per host index, over ``env`` (e.g. a wrong
+            ``UCX_NET_DEVICES`` on one host).
+        system_config: Ray ``--system-config`` of the head.
+        mtu: the links' MTU.
+        start_ray: start the Ray nodes (False: the network alone, for link probes).
+
+    Raises (from :meth:`start`):
+        TestbedUnavailable: no root, or namespaces cannot be made.
+        TestbedError: a Ray node did not start.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        hosts: int = 2,
+        link: str | None = "10gbit",
+        *,
+        num_cpus: int = 4,
+        object_store_bytes: int | None = None,
+        env: Mapping[str, str] | None = None,
+        host_env: Mapping[int, Mapping[str, str]] | None = None,
+        system_config: Mapping[str, Any] | None = None,
+        mtu: int = 9000,
+        start_ray: bool = True,
+    ) -> None:
+        if hosts > len(string.ascii_lowercase):
+            raise ValueError(f"at most {len(string.ascii_lowercase)} hosts, got {hosts}")
+        self.link = link or "none"
+        self.network = Network(hosts, parse_rate(link), mtu=mtu)
+        self.num_cpus = num_cpus
+        self.object_store_bytes = object_store_bytes
+        self.env = dict(env or {})
+        self.host_env = {i: dict(e) for i, e in (host_env or {}).items()}
+        self.system_config = dict(system_config or {})
+        self.temp_dir = os.path.join("/tmp", self.network.tag)
+        self.hosts = tuple(
+            Host(
+                h.index,
+                string.ascii_lowercase[h.index],
+                h.netns,
+                h.address,
+                f"host_{string.ascii_lowercase[h.index]}",
+            )
+            for h in self.network.hosts
+        )
+        self.address = f"{self.hosts[0].address}:{GCS_PORT}"
+        self.start_ray = start_ray
+        self._started = False
+
+    # --- lifetime ----------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 120.0) -> Testbed:
+        """Build the network and start a Ray node on every host. On failure, undo it all."""
+        remove_stale_networks()
+        self.network.build()
+        self._started = True
+        try:
+            deadline = time.monotonic() + timeout_s
+            for host in self.hosts if self.start_ray else ():
+                self._ray_start(host, deadline)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """End every process on the hosts (by pid), remove their shm segments, the
+        namespaces and the temp dir. Idempotent."""
+        if not self._started:
+            return
+        self._started = False
+        ended = self.network.destroy()
+        _remove_segments_of(ended)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def __enter__(self) -> Testbed:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- Ray ---------------------------------------------------------------------------
+
+    def node_env(self, host: Host) -> dict[str, str]:
+        """The environment of ``host``'s Ray node (and so of its workers and agent)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        env.update(BASE_ENV)
+        env.update(self.env)
+        env.update(self.host_env.get(host.index, {}))
+        return env
+
+    def _ray_start(self, host: Host, deadline: float) -> None:
+        argv = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            f"--node-ip-address={host.address}",
+            f"--num-cpus={self.num_cpus}",
+            f"--resources={json.dumps({host.resource: _HOST_RESOURCE_UNITS})}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]
+        if self.object_store_bytes is not None:
+            argv.append(f"--object-store-memory={self.object_store_bytes}")
+        if host.index == 0:
+            argv += ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"]
+            if self.system_config:
+                argv.append(f"--system-config={json.dumps(self.system_config)}")
+        else:
+            argv.append(f"--address={self.address}")
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            done = subprocess.run(
+                self.command(host, argv),
+                env=self.node_env(host),
+                capture_output=True,
+                text=True,
+                timeout=left,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise TestbedError(step=f"ray start on host {host.name}", detail="timed out") from exc
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise TestbedError(
+                step=f"ray start on host {host.name}",
+                detail=f"exit {done.returncode}: " + " | ".join(tail),
+            )
+
+    # --- drivers -----------------------------------------------------------------------
+
+    def info(self, host: Host) -> TestbedInfo:
+        return TestbedInfo(self.address, host.address, self.hosts)
+
+    def command(self, host: Host, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", host.netns, *argv]
+
+    def driver_env(self, host: Host, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = self.node_env(host)
+        env[ENV_VAR] = self.info(host).to_json()
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(extra or {})
+        return env
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        host: int = 0,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a driver (``argv``, e.g. ``[sys.executable, "-m", "mod"]``) on ``host``;
+        its output is captured. A driver still running at ``timeout_s`` is ended (its
+        whole namespace is ended at :meth:`close` anyway).
+
+        Raises:
+            TestbedError: the driver timed out.
+        """
+        target = self.hosts[host]
+        try:
+            return subprocess.run(
+                self.command(target, argv),
+                env=self.driver_env(target, env),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise TestbedError(
+                step=f"driver {' '.join(argv)}", detail=f"still running after {timeout_s} s"
+            ) from exc
+
+    def popen(
+        self,
+        argv: Sequence[str],
+        *,
+        host: int = 0,
+        env: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` on ``host`` without waiting (its pipes as ``kwargs`` say)."""
+        target = self.hosts[host]
+        return subprocess.Popen(
+            self.command(target, argv), env=self.driver_env(target, env), text=True, **kwargs
+        )
+
+
+def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:
+    """Join the testbed from a driver that :meth:`Testbed.run` started; waits until every
+    host's node is alive.
+
+    Raises:
+        TestbedError: not inside a testbed, or the nodes did not all come up in time.
+    """
+    import ray
+
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        raise TestbedError(step="connect", detail=f"{ENV_VAR} is not set: not a testbed driver")
+    info = TestbedInfo.from_json(text)
+    ray_init_kwargs.setdefault("log_to_driver", False)
+    ray.init(address=info.address, _node_ip_address=info.node_ip, **ray_init_kwargs)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        if alive >= {h.address for h in info.hosts}:
+            return info
+        if time.monotonic() > deadline:
+            raise TestbedError(
+                step="connect", detail=f"nodes alive {sorted(alive)} after {timeout_s} s"
+            )
+        time.sleep(0.1)
+
+
+def _remove_segments_of(pids: Sequence[int], directory: str = "/dev/shm") -> list[str]:
+    """Remove the ray_velo segments that the (now ended) processes ``pids`` created."""
+    from ray_velo.memory.arena import SEGMENT_PREFIX
+
+    prefixes = tuple(f"{SEGMENT_PREFIX}{pid}-" for pid in pids)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if prefixes and name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                continue
+            removed.append(name)
+    return removed

@@ -1,0 +1,233 @@
+"""The link's ceilings: a plain TCP socket and a bare UCX GET between two testbed hosts.
+
+Each probe is a pair of processes, one per host, started inside the hosts' namespaces; the
+parent passes what one needs from the other through their pipes (never the network), so a
+probe measures the link and nothing else. Run as ``python -m ray_velo.testbed.probes ROLE``.
+
+* ``raw_tcp``: host ``src`` sends ``nbytes`` over one TCP socket per repetition to ``dst``,
+  which times from its "go" byte to the last byte received.
+* ``raw_ucx_get``: host ``dst`` GETs ``nbytes`` from a registered ``/dev/shm`` segment on
+  ``src`` into its own (what the agents do), with the same UCX settings they get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from ray_velo.errors import TestbedError
+
+__all__ = ["raw_tcp", "raw_ucx_get"]
+
+_PORT: Final = 7470
+_SHM: Final = "/dev/shm"
+
+
+def _read_json(stream: Any, who: str) -> dict[str, Any]:
+    line = stream.readline()
+    if not line:
+        raise TestbedError(step=f"probe {who}", detail="exited without an answer")
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
+def _finish(process: Any, who: str, timeout_s: float = 60.0) -> None:
+    try:
+        process.wait(timeout_s)
+    except Exception:
+        process.kill()
+        process.wait(10)
+    if process.returncode not in (0, None):
+        err = process.stderr.read() if process.stderr else ""
+        raise TestbedError(step=f"probe {who}", detail=f"exit {process.returncode}: {err[-500:]}")
+
+
+def raw_tcp(testbed: Any, nbytes: int, reps: int = 5, *, src: int = 0, dst: int = 1) -> float:
+    """Median seconds to move ``nbytes`` over one TCP socket from host ``src`` to ``dst``."""
+    import subprocess
+
+    module = [sys.executable, "-m", "ray_velo.testbed.probes"]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    receiver = testbed.popen([*module, "tcp-receive", str(nbytes), str(reps)], host=dst, **pipes)
+    try:
+        _read_json(receiver.stdout, "tcp-receive")  # listening
+        sender = testbed.popen(
+            [*module, "tcp-send", testbed.hosts[dst].address, str(nbytes), str(reps)],
+            host=src,
+            **pipes,
+        )
+        result = _read_json(receiver.stdout, "tcp-receive")
+        _finish(sender, "tcp-send")
+    finally:
+        _finish(receiver, "tcp-receive")
+    return float(result["median_s"])
+
+
+def raw_ucx_get(
+    testbed: Any,
+    nbytes: int,
+    reps: int = 5,
+    *,
+    src: int = 0,
+    dst: int = 1,
+    options: Mapping[str, str] | None = None,
+) -> float:
+    """Median seconds of a bare UCX GET of ``nbytes`` by host ``dst`` from host ``src``.
+
+    ``options``: UCX settings for both contexts (over the library's defaults).
+    """
+    import subprocess
+
+    module = [sys.executable, "-m", "ray_velo.testbed.probes"]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    opts = json.dumps(dict(options or {}))
+    owner = testbed.popen([*module, "ucx-owner", str(nbytes), opts], host=src, **pipes)
+    try:
+        offer = _read_json(owner.stdout, "ucx-owner")
+        consumer = testbed.popen(
+            [*module, "ucx-consumer", str(nbytes), str(reps), opts], host=dst, **pipes
+        )
+        consumer.stdin.write(json.dumps(offer) + "\n")
+        consumer.stdin.flush()
+        result = _read_json(consumer.stdout, "ucx-consumer")
+        _finish(consumer, "ucx-consumer")
+    finally:
+        if owner.stdin:
+            owner.stdin.write("done\n")
+            owner.stdin.flush()
+        _finish(owner, "ucx-owner")
+    if not result["ok"]:
+        raise TestbedError(step="raw UCX GET", detail="the bytes read back wrong")
+    return float(result["median_s"])
+
+
+# --- the processes ---------------------------------------------------------------------
+
+
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _tcp_receive(nbytes: int, reps: int) -> None:
+    server = socket.create_server(("0.0.0.0", _PORT))
+    _say({"listening": _PORT})
+    conn, _ = server.accept()
+    buffer = bytearray(nbytes)
+    view = memoryview(buffer)
+    times = []
+    with conn:
+        for _ in range(reps + 1):  # the first moves the window up; not counted
+            started = time.perf_counter()
+            conn.sendall(b"g")
+            got = 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError("sender closed early")
+                got += n
+            times.append(time.perf_counter() - started)
+    server.close()
+    _say({"median_s": statistics.median(times[1:])})
+
+
+def _tcp_send(address: str, nbytes: int, reps: int) -> None:
+    payload = memoryview(bytes(nbytes))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn = socket.create_connection((address, _PORT), timeout=30)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with conn:
+        for _ in range(reps + 1):
+            if conn.recv(1) != b"g":
+                raise ConnectionError("receiver went away")
+            conn.sendall(payload)
+
+
+def _ucx_owner(nbytes: int, options: dict[str, str]) -> None:
+    from ray_velo.memory.arena import ShmArena
+    from ray_velo.ucx.binding import MemoryRegistration, UcxContext, UcxWorker
+
+    context = UcxContext(options)
+    worker = UcxWorker(context, progress_thread=True, blocking=True)
+    arena = ShmArena(_SHM, nbytes, 0xBE7C, prefault=True)
+    np.frombuffer(arena.view(0, nbytes), dtype=np.uint8)[:] = 7
+    registration = MemoryRegistration.from_address(context, arena.address, nbytes, keepalive=None)
+    _say(
+        {
+            "worker": worker.address.hex(),
+            "addr": arena.address,
+            "rkey": registration.packed_rkey.hex(),
+        }
+    )
+    sys.stdin.readline()  # the consumer is done
+    registration.close()
+    worker.close()
+    context.close()
+    arena.close()
+
+
+def _ucx_consumer(nbytes: int, reps: int, options: dict[str, str]) -> None:
+    from ray_velo.memory.arena import ShmArena
+    from ray_velo.ucx.binding import (
+        Endpoint,
+        MemoryRegistration,
+        RemoteKey,
+        UcxContext,
+        UcxWorker,
+        get,
+    )
+
+    offer = json.loads(sys.stdin.readline())
+    context = UcxContext(options)
+    worker = UcxWorker(context, progress_thread=True, blocking=True)
+    arena = ShmArena(_SHM, nbytes, 0xBE7D, prefault=True)
+    local = MemoryRegistration.from_address(context, arena.address, nbytes, keepalive=None)
+    endpoint = Endpoint(worker, bytes.fromhex(offer["worker"]))
+    rkey = RemoteKey(endpoint, bytes.fromhex(offer["rkey"]))
+    times = []
+    for _ in range(reps + 1):  # the first wires up and warms; not counted
+        started = time.perf_counter()
+        get(endpoint, arena.address, nbytes, offer["addr"], rkey, 120.0, local_memh=local)
+        times.append(time.perf_counter() - started)
+    ok = bool(np.frombuffer(arena.view(0, nbytes), dtype=np.uint8)[:: 1 << 12].min() == 7)
+    rkey.close()
+    endpoint.close()
+    local.close()
+    worker.close()
+    context.close()
+    arena.close()
+    _say({"median_s": statistics.median(times[1:]), "ok": ok})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ray_velo.testbed.probes")
+    parser.add_argument("role", choices=["tcp-receive", "tcp-send", "ucx-owner", "ucx-consumer"])
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(argv)
+    rest = args.rest
+    if args.role == "tcp-receive":
+        _tcp_receive(int(rest[0]), int(rest[1]))
+    elif args.role == "tcp-send":
+        _tcp_send(rest[0], int(rest[1]), int(rest[2]))
+    elif args.role == "ucx-owner":
+        _ucx_owner(int(rest[0]), json.loads(rest[1]))
+    else:
+        _ucx_consumer(int(rest[0]), int(rest[1]), json.loads(rest[2]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
