@@ -2,6 +2,7 @@
 
 ray-velo demo [--size-mib 256]
 ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
+ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
 ray-velo status [--address auto]
 ray-velo stop [--address auto]
 """
@@ -38,6 +39,8 @@ def _bench(args: argparse.Namespace) -> int:
         shm_free_bytes,
     )
 
+    if args.two_host:
+        return _bench_two_host(args)
     if args.decorator:
         size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
         print(run_decorator_bench(size, args.reps))
@@ -67,6 +70,27 @@ def _bench(args: argparse.Namespace) -> int:
             print("--plot needs matplotlib: pip install 'ray-velo[plot]'", file=sys.stderr)
             return 1
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_two_host(args: argparse.Namespace) -> int:
+    from ray_velo.bench.twohost import format_two_host, run_two_host
+    from ray_velo.errors import TestbedUnavailable
+    from ray_velo.testbed import check_privileges
+
+    try:
+        check_privileges()
+    except TestbedUnavailable as exc:
+        print(f"ray-velo bench --two-host: {exc}", file=sys.stderr)
+        return 2
+    sizes = [int(float(s) * MiB) for s in (args.sizes or "256").split(",")]
+    links = [link.strip() for link in args.link.split(",") if link.strip()]
+    results = run_two_host(links, sizes, args.reps, with_raw=not args.no_ucx_raw)
+    print(format_two_host(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in results], f, indent=2)
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -122,11 +146,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--reps", type=int, default=5, help="repetitions per size (median)")
     bench.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot")
-    bench.add_argument("--no-ucx-raw", action="store_true", help="skip the raw UCX ceiling")
+    bench.add_argument(
+        "--no-ucx-raw", action="store_true", help="skip the raw ceilings (UCX GET, TCP socket)"
+    )
     bench.add_argument(
         "--decorator",
         action="store_true",
         help="a @ray_velo.transfer pipeline vs the same pipeline on Ray's object store",
+    )
+    bench.add_argument(
+        "--two-host",
+        action="store_true",
+        help="across two emulated hosts (network namespaces, shaped veth, UCX over tcp; root)",
+    )
+    bench.add_argument(
+        "--link",
+        default="10gbit",
+        help="with --two-host: link rates, comma separated: 10gbit, 25gbit, none (unshaped)",
     )
     bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
     bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")

@@ -6,7 +6,8 @@ host b; every column is measured here, in one run, side by side:
 
 * ``ray``: Ray's object store: ``ray.put`` on a, ``ray.get`` and a read of every page on b.
 * ``velo``: ``rv.put`` on a, ``rv.fetch`` and the same read on b (UCX GET over the link).
-* ``get_leg``: the consumer agent's UCX GET alone.
+* ``put`` and ``get_leg``: the producer's ``rv.put`` alone and the consumer agent's UCX GET
+  alone (what is left of ``velo`` is the control calls and the consumer's read).
 * ``pipe_ray`` / ``pipe_velo``: an actor on a returns the array to a task on b that reads
   it, undecorated and under ``@rv.transfer``, timed from this driver.
 * ``chunked``: ``velo`` again with the kill switch on both agents (the chunked path).
@@ -76,6 +77,7 @@ def _transfers(producer: Any, consumer: Any, with_ray: bool) -> Callable[[], dic
         handle, put_s = ray.get(producer.velo_put.remote(True))
         fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
         out["velo"] = put_s + fetch_s
+        out["put"] = put_s
         out["get_leg"] = leg_s
         return out
 
@@ -92,7 +94,7 @@ def _pipelines(
     from ray_velo.bench.actors import pipeline_stages
 
     batches, read_all = pipeline_stages(size)
-    plain_actor = ray.remote(num_cpus=0, resources={hosts[0].resource: 1})(batches)
+    plain_actor: Any = ray.remote(num_cpus=0, resources={hosts[0].resource: 1})(batches)
     plain_task = ray.remote(num_cpus=0, resources={hosts[1].resource: 1})(read_all)
     stages = {
         "pipe_ray": (plain_actor.remote(), plain_task),

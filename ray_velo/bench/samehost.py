@@ -366,7 +366,7 @@ def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
     lines = []
     try:
         batches, read_all = pipeline_stages(size_bytes)
-        plain_actor = ray.remote(num_cpus=0, resources={"node_a": 1})(batches)
+        plain_actor: Any = ray.remote(num_cpus=0, resources={"node_a": 1})(batches)
         plain_task = ray.remote(num_cpus=0, resources={"node_b": 1})(read_all)
         velo_actor = rv.transfer(plain_actor)
         velo_task = rv.transfer(plain_task)

@@ -148,6 +148,14 @@ def format_two_host(results: Sequence[LinkResult]) -> str:
                 value = result.ratio(size, a, b)
                 cells.append(f"{value:>8.2f}x" if value is not None else f"{'-':>9}")
             lines.append(f"{result.link:>7} {size // MiB:>4} MiB " + " ".join(cells))
+        for size in sorted(result.rows):
+            row = result.rows[size]
+            velo, put, leg = row.get("velo"), row.get("put"), row.get("get_leg")
+            if velo and put and leg:
+                lines.append(
+                    f"{'':>7} {size // MiB} MiB velo breakdown: put {put * 1e3:.1f} ms, UCX GET "
+                    f"{leg * 1e3:.1f} ms, control calls + read {(velo - put - leg) * 1e3:.1f} ms"
+                )
         lines.append(
             f"{'':>7} UCX transport that moved velo's bytes: {result.transport()}; "
             f"consumer path decisions {result.paths}"

@@ -302,7 +302,8 @@ def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:
     ray.init(address=info.address, _node_ip_address=info.node_ip, **ray_init_kwargs)
     deadline = time.monotonic() + timeout_s
     while True:
-        alive = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+        nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+        alive = {n["NodeManagerAddress"] for n in nodes if n.get("Alive")}
         if alive >= {h.address for h in info.hosts}:
             return info
         if time.monotonic() > deadline:
@@ -317,7 +318,7 @@ def _remove_segments_of(pids: Sequence[int], directory: str = "/dev/shm") -> lis
     from ray_velo.memory.arena import SEGMENT_PREFIX
 
     prefixes = tuple(f"{SEGMENT_PREFIX}{pid}-" for pid in pids)
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -42,6 +42,7 @@ __all__ = [
     "end_processes",
     "namespace_pids",
     "parse_rate",
+    "process_running",
     "remove_stale_networks",
 ]
 
@@ -116,8 +117,8 @@ def namespace_pids(netns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _running(pid: int) -> bool:
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process not yet reaped by its parent does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
@@ -131,15 +132,15 @@ def end_processes(pids: Iterable[int], grace_s: float = 10.0) -> list[int]:
 
     Returns the pids that were still running at the start.
     """
-    pids = [p for p in set(pids) if p != os.getpid() and _running(p)]
+    pids = [p for p in set(pids) if p != os.getpid() and process_running(p)]
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
-        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        while any(process_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not any(_running(p) for p in pids):
+        if not any(process_running(p) for p in pids):
             break
     return pids
 
@@ -214,8 +215,10 @@ class Network:
 
     def _veth(self, ns_a: str, name_a: str, ns_b: str, name_b: str) -> None:
         _run(
-            ["ip", "link", "add", name_a, "netns", ns_a, "type", "veth"]
-            + ["peer", "name", name_b, "netns", ns_b],
+            [
+                *("ip", "link", "add", name_a, "netns", ns_a, "type", "veth"),
+                *("peer", "name", name_b, "netns", ns_b),
+            ],
             "veth pair",
         )
         for netns, name in ((ns_a, name_a), (ns_b, name_b)):
@@ -230,8 +233,10 @@ class Network:
         # The bucket must hold at least one timer tick of traffic at the rate (~4 ms here).
         burst = max(8 << 20, int(rate / 8 / 250))
         _run(
-            ["tc", "-n", netns, "qdisc", "add", "dev", device, "root", "tbf"]
-            + ["rate", f"{int(rate)}bit", "burst", str(burst), "latency", "10ms"],
+            [
+                *("tc", "-n", netns, "qdisc", "add", "dev", device, "root", "tbf"),
+                *("rate", f"{int(rate)}bit", "burst", str(burst), "latency", "10ms"),
+            ],
             "shape the link (tc tbf)",
         )
 
@@ -258,7 +263,7 @@ def remove_stale_networks() -> list[str]:
     for netns in namespaces():
         match = _NS_RE.match(netns)
         assert match is not None
-        if _running(int(match.group(1))):
+        if process_running(int(match.group(1))):
             continue
         end_processes(namespace_pids(netns), grace_s=2.0)
         _run(["ip", "netns", "delete", netns], f"delete {netns}", check=False)

@@ -42,7 +42,9 @@ def _node_cpus() -> dict[str, Any]:
     return {"num_cpus": 4, "object_store_memory": 512 * MiB}
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster is gone before other folders (the two-host testbed) start
+# their own Ray nodes on this 2-core machine.
+@pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     c = Cluster(

@@ -1,0 +1,198 @@
+"""Scenarios that run as a driver inside host a of the two-host testbed.
+
+``python tests/twohost/scenarios.py NAME`` joins the testbed, runs scenario NAME, and prints
+``RESULT <json>`` as its last line; the tests in this folder assert on that result. Each
+scenario leaves the agents as it found them (default config, no extra environment).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+
+import ray_velo as rv
+from ray_velo.actors.directory import (
+    alive_node_ids,
+    ensure_agent,
+    find_agent,
+    register_all_peers,
+    store_cluster_config,
+)
+from ray_velo.config import MiB, VeloConfig
+from ray_velo.testbed import TestbedInfo, connect
+
+RESULT_PREFIX = "RESULT "
+CONFIG = VeloConfig(staged_payload_max=512 * MiB)
+KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
+
+
+def _array(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    return ((np.arange(nbytes, dtype=np.uint64) * 7 + seed) % 251).astype(np.uint8)
+
+
+def _crc(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return zlib.crc32(np.ascontiguousarray(value).view(np.uint8).data)
+    return zlib.crc32(value)
+
+
+@ray.remote(num_cpus=0)
+class Host:
+    """An actor pinned to one host: stages, fetches and reports its agent's counters."""
+
+    def put(self, kind: str, nbytes: int, seed: int) -> tuple[rv.DataHandle, int]:
+        value: Any = _array(nbytes, seed)
+        if kind == "bytes":
+            value = value.tobytes()
+        return rv.put(value), _crc(value)
+
+    def fetch(self, handle: rv.DataHandle) -> tuple[int, str]:
+        value = rv.fetch(handle)
+        return _crc(value), type(value).__name__
+
+    def agent(self) -> dict[str, Any]:
+        return ray.get(rv.api._process().agent.info.remote())  # type: ignore[no-any-return]
+
+
+def _paths(actor: Any) -> dict[str, int]:
+    return dict(ray.get(actor.agent.remote())["metrics"]["velo_rendezvous_rdma_path_total"])
+
+
+def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def _on(info: TestbedInfo, index: int) -> Any:
+    return Host.options(resources={info.hosts[index].resource: 1}).remote()
+
+
+def _node_of(info: TestbedInfo, index: int) -> str:
+    address = info.hosts[index].address
+    return next(n["NodeID"] for n in ray.nodes() if n["NodeManagerAddress"] == address)
+
+
+def _restart(node_ids: list[str], env: dict[str, str] | None) -> None:
+    """Replace the agents of ``node_ids`` with fresh ones (``env`` over their node's)."""
+    for node_id in node_ids:
+        try:
+            old = find_agent(node_id)
+        except ValueError:
+            continue
+        ray.get(old.shutdown.remote(), timeout=60)
+        ray.kill(old)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                find_agent(node_id)
+            except ValueError:
+                break
+            time.sleep(0.05)
+    for node_id in node_ids:
+        ray.get(ensure_agent(node_id, CONFIG, env).ping.remote(), timeout=120)
+    register_all_peers()
+    rv.api._forget_agent()
+
+
+def _transfer_all(info: TestbedInfo, cases: list[tuple[str, int]]) -> dict[str, Any]:
+    producer, consumer = _on(info, 0), _on(info, 1)
+    consumer_before, owner_before = _paths(consumer), _paths(producer)
+    checked = []
+    for seed, (kind, nbytes) in enumerate(cases):
+        handle, crc = ray.get(producer.put.remote(kind, nbytes, seed))
+        got, type_name = ray.get(consumer.fetch.remote(handle))
+        checked.append({"kind": kind, "nbytes": nbytes, "ok": got == crc, "type": type_name})
+    agent = ray.get(consumer.agent.remote())
+    return {
+        "checked": checked,
+        "consumer_paths": _moved(consumer_before, _paths(consumer)),
+        "owner_paths": _moved(owner_before, _paths(producer)),
+        "transports": agent["ucx_transports"],
+        "owner_live_slots": ray.get(producer.agent.remote())["live_slots"],
+    }
+
+
+# --- the scenarios -------------------------------------------------------------------------
+
+
+def put_fetch(info: TestbedInfo) -> dict[str, Any]:
+    """rv.put on host a, rv.fetch on host b: pooled, dedicated and bytes payloads."""
+    return _transfer_all(
+        info, [("array", 300 << 10), ("array", 8 * MiB), ("array", 96 * MiB), ("bytes", 4 * MiB)]
+    )
+
+
+def pipeline(info: TestbedInfo) -> dict[str, Any]:
+    """@rv.transfer: an actor on host a returns an array to a task on host b, and the driver
+    (host a) sends a task on host b a dict of two arrays."""
+    a, b = info.hosts[0].resource, info.hosts[1].resource
+
+    @rv.transfer
+    @ray.remote(num_cpus=0, resources={a: 1})
+    class Source:
+        def batch(self, nbytes: int) -> np.ndarray[Any, Any]:
+            return _array(nbytes, 3)
+
+    @rv.transfer
+    @ray.remote(num_cpus=0, resources={b: 1})
+    def checksum(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: _crc(v) for k, v in value.items()}
+        return _crc(value)
+
+    probe = _on(info, 1)
+    before = _paths(probe)
+    source = Source.remote()
+    result = ray.get(checksum.remote(source.batch.remote(32 * MiB)))
+    arrays = {"x": _array(20 * MiB, 5), "y": _array(3 * MiB, 6)}
+    several = ray.get(checksum.remote(arrays))
+    return {
+        "from_actor_ok": result == _crc(_array(32 * MiB, 3)),
+        "dict_ok": several == {k: _crc(v) for k, v in arrays.items()},
+        "consumer_paths": _moved(before, _paths(probe)),
+    }
+
+
+def kill_switch(info: TestbedInfo) -> dict[str, Any]:
+    """VELO_RDMA_RENDEZVOUS_DISABLE=1 on both agents: the chunked path, bytes still right."""
+    nodes = alive_node_ids()
+    _restart(nodes, KILL_SWITCH)
+    try:
+        return _transfer_all(info, [("array", 40 * MiB), ("bytes", 1 * MiB)])
+    finally:
+        _restart(nodes, None)
+
+
+def unreachable(info: TestbedInfo) -> dict[str, Any]:
+    """Host b's UCX is told to use only `lo` (UCX_NET_DEVICES=lo): it cannot reach host a,
+    so its GET fails and the fetch falls back to chunks, once."""
+    node_b = _node_of(info, 1)
+    _restart([node_b], {"UCX_NET_DEVICES": "lo"})
+    try:
+        return _transfer_all(info, [("array", 24 * MiB)])
+    finally:
+        _restart([node_b], None)
+
+
+SCENARIOS: dict[str, Callable[[TestbedInfo], dict[str, Any]]] = {
+    f.__name__: f for f in (put_fetch, pipeline, kill_switch, unreachable)
+}
+
+
+def main() -> int:
+    info = connect()
+    store_cluster_config(CONFIG)
+    rv.init(CONFIG)
+    result = SCENARIOS[sys.argv[1]](info)
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
