@@ -14,13 +14,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["bench_actors", "pipeline_stages", "touch"]
+__all__ = ["bench_actors", "pipeline_stages", "touch", "transport_text"]
 
 
 def touch(array: Any) -> int:
     """Read every page of ``array`` (a materialized fetch, not a lazy view)."""
     flat = np.asarray(array).reshape(-1).view(np.uint8)
     return int(flat[::4096].sum()) + (int(flat[-1]) if flat.size else 0)
+
+
+def transport_text(transports: dict[str, list[str]]) -> str:
+    """An agent's ``ucx_transports`` (peer node -> lanes) as one line: ``"tcp/veth0"``."""
+    lanes = sorted({lane for node in transports.values() for lane in node})
+    return ", ".join(lanes) or "none (no UCX GET ran)"
 
 
 def _make(nbytes: int) -> np.ndarray[Any, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ray_velo.bench.actors import bench_actors, pipeline_stages
+from ray_velo.bench.actors import bench_actors, pipeline_stages, transport_text
 
 MiB = 1 << 20
 
@@ -331,7 +331,8 @@ def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
             best["velo"] = min(best.get("velo", 1e9), vput_s + fetch_s)
             verified["velo"] = crc == expected
         paths = ray.get(cluster.consumer.path_counts.remote())
-        taken = "rdma (UCX GET)" if paths.get("rdma/ok") else "chunked (Ray calls)"
+        transport = transport_text(ray.get(cluster.consumer.agent_info.remote())["ucx_transports"])
+        taken = f"UCX GET over {transport}" if paths.get("rdma/ok") else "chunked Ray calls"
         lines.append(f"payload: {size_bytes / MiB:.0f} MiB numpy array, node a -> node b")
         for through, label in (("ray", "Ray object store"), ("velo", f"ray_velo, {taken}")):
             seconds = best[through]
@@ -343,7 +344,12 @@ def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
             f"  ray_velo: {best['ray'] / best['velo']:.1f}x Ray's object store "
             f"(best of {rounds}; put on node a + fetch and full read on node b)"
         )
-        lines.append(f"  consumer-side path decisions: {paths}")
+        lines.append(f"  consumer-side path decisions: {paths}; UCX transport: {transport}")
+        lines.append(
+            "  note: both Ray nodes run on this machine, so UCX moved the bytes through "
+            f"{transport}, a path no two real hosts have: these are not cross-host figures. "
+            "For those, `sudo ray-velo bench --two-host` (two emulated hosts, UCX over TCP)."
+        )
         if not all(verified.values()):
             raise RuntimeError("\n".join(lines))
     finally:

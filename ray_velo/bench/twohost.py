@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_velo.bench.actors import transport_text
 from ray_velo.bench.hostdriver import RESULT_PREFIX
 from ray_velo.errors import TestbedError
 
@@ -49,8 +50,7 @@ class LinkResult:
         return x / y if x and y else None
 
     def transport(self) -> str:
-        lanes = sorted({lane for node in self.transports.values() for lane in node})
-        return ",".join(lanes) or "no UCX GET ran"
+        return transport_text(self.transports)
 
     def as_dict(self) -> dict[str, Any]:
         return {
