@@ -56,6 +56,8 @@ FIELDS: dict[str, dict[str, Any]] = {
         "requested_bytes": 256 << 20,
     },
     "StagingError": {"reason": "zero-length payload"},
+    "TestbedError": {"step": "ray start on host b", "detail": "exit 1: port in use"},
+    "TestbedUnavailable": {"reason": "this process runs as uid 1000, not root"},
     "TransferError": {"handle": "00000000deadbeef:7"},
     "TransferTimeout": {"handle": "00000000deadbeef:7", "timeout_s": 2.5, "bound": "caller"},
     "UcxError": {"operation": "ucp_get_nbx", "status": -3, "status_text": "Input/output error"},
