@@ -139,8 +139,8 @@ class HandleReleased(HandleError):
     def _describe(self) -> str:
         f = self.fields
         return (
-            f"handle {f.get('handle')} was already resolved {f.get('allowed')} time(s); "
-            f"set {f.get('option', 'consumers=N')} to allow more consumers"
+            f"handle {f.get('handle')} was already resolved {f.get('allowed')} time(s), all it "
+            f"allows; for more consumers use {f.get('option', 'consumers=N')}"
         )
 
 

@@ -1,22 +1,37 @@
-"""The owner's slot table: slots, references, read leases, deadlines, TTLs and drain.
+"""The owner's slot table: slots, references, claims, read leases, deadlines and TTLs.
 
 Theory of operation (after dask's worker state machine): :class:`SlotStore` is a plain object
-with no I/O, no threads and no clock. The agent calls its methods with ``now`` and performs
-what they return: a freed slot comes back as a :class:`FreedSlot` whose memory the agent
-returns to its pool. Everything that changes slot state lives in this file. ``validate()``
-checks the invariants; tests call it after every step.
+with no I/O, no threads and no clock. The owner calls its methods with ``now`` and performs
+what they return: a slot whose bytes may go comes back as a :class:`FreedSlot`, whose memory
+the owner state gives back once no read is in progress. Everything that changes slot state
+lives in this file. ``validate()`` checks the invariants; tests call it after every step.
 
-Rules, from the spec:
+A handle and its bytes end at different times (DESIGN.md §9):
+
+* The **handle ends** when its last reference is released, its TTL fires, or it is evicted
+  (its region went away, its owner shut down). From then on every new acquire, ref, claim and
+  metadata call is refused with ``HandleNotFound`` naming why, even while its bytes are
+  still being read.
+* The **bytes end** when the handle has ended and no lease is left on the slot. Only then
+  does the store hand the slot back (``FreedSlot``). A live zero-copy view holds a local
+  lease, so a TTL never takes the bytes from under it.
+
+Rules, from the spec and the lifetime issue:
 
 * A slot starts with refcount 1 (or N for fan-out). ``ref`` adds one, ``release`` drops a
-  lease and one reference. A slot is freed when its refcount is 0 and no lease is left on it.
+  lease and one reference; at zero the handle ends.
+* A consuming acquire (a ``fetch`` that releases, a transparent resolution) *claims* one
+  unclaimed reference (``refcount - claimed >= 1``) or is refused with ``HandleReleased``: N
+  references allow exactly N consumers, however many race. A claim ends with a
+  ``release(claim=True)`` (its reference consumed) or ``unclaim`` (given back).
 * An RDMA lease always has a deadline (``lease_timeout``); the consumer renews it while its
   GET runs. A chunked lease has one only when the acquire asked for it (``lease_ms``); each
   pull renews it. A local lease (a process on this node reading in place) has no deadline;
-  it ends when its holder process dies.
-* A lease that passes its deadline is force-released (lock and reference), like a consumer's
-  ``release``: its consumer is gone or gave up.
-* A TTL frees the slot with every lease on it, whether or not someone is still reading.
+  it ends when its holder process dies (a detach: the reference was dealt with at acquire).
+* A remote lease that passes its deadline is force-released (lock and one reference, and its
+  claim if it carried one), like a consumer's ``release``: its consumer is gone or gave up.
+* A TTL ends the handle and its chunked leases (that consumer has given up); RDMA and local
+  leases keep the bytes until they end, since a GET or a view may still read them.
 * ``next_deadline()`` says when the next deadline falls, so the driver arms a timer only
   while one exists.
 """
@@ -29,11 +44,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ray_velo.errors import HandleNotFound, LeaseNotFound, ProtocolError
+from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
 from ray_velo.protocol.messages import TypeHeader
 
 __all__ = [
+    "RELEASED_BY_CONSUMERS",
+    "TTL_EXPIRED",
     "FreedSlot",
     "Lease",
     "LeaseKind",
@@ -47,15 +64,20 @@ __all__ = [
 SlotKind = Literal["empty", "plain", "pooled", "dedicated", "region"]
 LeaseKind = Literal["rdma", "chunked", "local"]
 
-#: Why a slot whose last reference was released is gone (HandleNotFound.reason).
+#: Why a handle whose last reference was released is gone (HandleNotFound.reason).
 RELEASED_BY_CONSUMERS = "released by its last consumer"
-#: How many freed slot ids the store remembers, to say *why* a handle is gone.
+TTL_EXPIRED = "its TTL expired"
+#: How many ended slot ids the store remembers, to say *why* a handle is gone.
 _TOMBSTONES = 4096
 
 
 @dataclass(slots=True)
 class Lease:
-    """A read lock on a slot. ``lease_id`` doubles as the chunked transfer id."""
+    """A read lock on a slot. ``lease_id`` doubles as the chunked transfer id.
+
+    ``claimed``: the acquire that granted it claimed a reference; a force-release of the
+    lease consumes that claim too.
+    """
 
     lease_id: int
     slot_id: int
@@ -63,11 +85,18 @@ class Lease:
     timeout: float | None  # renewal window (s); None: no deadline
     deadline: float | None
     holder_pid: int = 0
+    claimed: bool = False
+    consumer: tuple[str, int] | None = None  # the consumer agent (node, incarnation)
 
 
 @dataclass(slots=True)
 class Slot:
-    """One staged payload. ``location`` is opaque here: the agent's placement record."""
+    """One staged payload. ``location`` is opaque here: the owner's placement record.
+
+    ``ended`` is None while the handle lives, else why it ended (its bytes may still be held
+    by leases). ``given`` counts every reference ever given (initial + ``ref``): the number of
+    consumers the handle allows.
+    """
 
     slot_id: int
     total_len: int
@@ -78,12 +107,19 @@ class Slot:
     refcount: int
     ttl_deadline: float | None
     staged_at: float
+    given: int = 1
+    claimed: int = 0
+    ended: str | None = None
     leases: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
 class FreedSlot:
-    """A slot the store let go of: return ``location`` to its memory. ``why`` for logs."""
+    """A slot whose bytes may go: return ``location`` to its memory. ``why`` for logs.
+
+    ``abandoned``: its last lease ended by a deadline or a TTL, not by its consumer, so a
+    chunk handed out just before may still be on its way (the owner keeps a grace).
+    """
 
     slot_id: int
     kind: SlotKind
@@ -91,6 +127,7 @@ class FreedSlot:
     total_len: int
     location: Any
     why: str
+    abandoned: bool = False
 
 
 @dataclass(slots=True)
@@ -109,8 +146,11 @@ class StoreCounters:
 
     slots_staged: int = 0
     slots_freed: int = 0
+    handles_ended: int = 0
     bytes_staged: int = 0
     leases_granted: int = 0
+    leases_superseded: int = 0
+    claims_refused: int = 0
     rdma_leases_reaped: int = 0
     chunked_leases_expired: int = 0
     local_leases_reaped: int = 0
@@ -132,6 +172,7 @@ class SlotStore:
         self._timed_leases: dict[int, Lease] = {}
         self._ttl_slots: dict[int, Slot] = {}
         self._tombstones: OrderedDict[int, str] = OrderedDict()
+        self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
         self._slot_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
 
@@ -144,7 +185,7 @@ class SlotStore:
 
     def forget_reserved(self, slot_id: int, why: str) -> None:
         """A reserved slot id that will never be staged: remember why, for HandleNotFound."""
-        self._tombstones[slot_id] = why
+        self._remember(slot_id, why)
 
     def stage(
         self,
@@ -181,6 +222,7 @@ class SlotStore:
             refcount=refcount,
             ttl_deadline=None if ttl is None else now + ttl,
             staged_at=now,
+            given=refcount,
         )
         self._slots[slot.slot_id] = slot
         if slot.ttl_deadline is not None:
@@ -191,21 +233,25 @@ class SlotStore:
 
     # --- lookups ---------------------------------------------------------------------
 
-    def slot(self, handle: DataHandle) -> Slot:
-        """The live slot for ``handle``. Raises HandleNotFound (with the reason if known)."""
+    def _gone(self, handle: DataHandle, reason: str) -> HandleNotFound:
+        return HandleNotFound(handle=str(handle), node=self.node, reason=reason)
+
+    def held(self, handle: DataHandle) -> Slot:
+        """The slot for ``handle`` while its bytes are held, ended handle or not (for the
+        leases already granted on it). Raises HandleNotFound once its bytes are gone."""
         if handle.worker_id != self.worker_id:
-            raise HandleNotFound(
-                handle=str(handle),
-                node=self.node,
-                reason="issued by another agent incarnation (the owner restarted?)",
-            )
+            raise self._gone(handle, "issued by another agent incarnation (the owner restarted?)")
         slot = self._slots.get(handle.slot_id)
         if slot is None:
-            raise HandleNotFound(
-                handle=str(handle),
-                node=self.node,
-                reason=self._tombstones.get(handle.slot_id, "never staged here"),
-            )
+            raise self._gone(handle, self._tombstones.get(handle.slot_id, "never staged here"))
+        return slot
+
+    def slot(self, handle: DataHandle) -> Slot:
+        """The slot of a live handle. Raises HandleNotFound (with the reason if known) once
+        the handle ended, even while leases still hold its bytes."""
+        slot = self.held(handle)
+        if slot.ended is not None:
+            raise self._gone(handle, slot.ended)
         return slot
 
     def metadata(self, handle: DataHandle) -> HandleMetadata:
@@ -221,25 +267,30 @@ class SlotStore:
         return lease
 
     def slots(self) -> Iterable[Slot]:
-        """Every live slot (a live view: do not change the store while iterating)."""
+        """Every slot whose bytes are held (a live view: do not change the store meanwhile)."""
         return self._slots.values()
 
     @property
     def live_slots(self) -> int:
-        """Slots staged and not yet freed."""
+        """Slots whose bytes are held (live handles and ended ones still being read)."""
         return len(self._slots)
 
     @property
+    def live_handles(self) -> int:
+        """Slots whose handle has not ended."""
+        return sum(1 for s in self._slots.values() if s.ended is None)
+
+    @property
     def live_leases(self) -> int:
-        """Leases held on live slots."""
+        """Leases held on slots."""
         return len(self._leases)
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes of every live slot."""
+        """Bytes of every slot whose bytes are held."""
         return sum(s.total_len for s in self._slots.values())
 
-    # --- leases ----------------------------------------------------------------------
+    # --- leases and claims -----------------------------------------------------------
 
     def acquire(
         self,
@@ -249,14 +300,24 @@ class SlotStore:
         kind: LeaseKind,
         timeout: float | None = None,
         holder_pid: int = 0,
+        claim: bool = False,
+        consumer: tuple[str, int] | None = None,
     ) -> Lease:
-        """Take a read lease. ``timeout`` (s) arms a deadline renewed by renew/pull.
+        """Take a read lease on a live handle. ``timeout`` (s) arms a deadline renewed by
+        renew/pull; ``claim`` also claims one unclaimed reference; ``consumer`` names the
+        consumer agent it is for (see :meth:`supersede`).
 
         An RDMA lease must have a timeout (the owner cannot see a GET stop).
+
+        Raises:
+            HandleNotFound: the handle ended (or never was).
+            HandleReleased: ``claim`` and every reference is claimed already.
         """
         slot = self.slot(handle)
         if kind == "rdma" and timeout is None:
             raise ProtocolError("an RDMA lease always carries a deadline")
+        if claim:
+            self._claim(slot, handle)
         lease = Lease(
             lease_id=next(self._lease_ids),
             slot_id=slot.slot_id,
@@ -264,6 +325,8 @@ class SlotStore:
             timeout=timeout,
             deadline=None if timeout is None else now + timeout,
             holder_pid=holder_pid,
+            claimed=claim,
+            consumer=consumer,
         )
         self._leases[lease.lease_id] = lease
         slot.leases.add(lease.lease_id)
@@ -272,8 +335,48 @@ class SlotStore:
         self.counters.leases_granted += 1
         return lease
 
+    def supersede(self, node: str, worker: int) -> tuple[list[FreedSlot], int]:
+        """Consumer agent ``worker`` now speaks for ``node``: an older incarnation there is
+        gone, so its leases end now (detached, their claims given back: it consumed nothing).
+        Returns the slots whose bytes may go and how many RDMA leases ended."""
+        previous = self._consumers.get(node)
+        self._consumers[node] = worker
+        if previous is None or previous == worker:
+            return [], 0
+        freed: list[FreedSlot] = []
+        rdma = 0
+        for lease in [x for x in self._leases.values() if x.consumer == (node, previous)]:
+            slot = self._slots[lease.slot_id]
+            self._drop_lease(slot, lease)
+            self.counters.leases_superseded += 1
+            rdma += lease.kind == "rdma"
+            if lease.claimed and slot.ended is None and slot.claimed > 0:
+                slot.claimed -= 1
+            done = self._free_if_done(slot, "its consumer agent restarted", abandoned=True)
+            if done is not None:
+                freed.append(done)
+        return freed, rdma
+
+    def _claim(self, slot: Slot, handle: DataHandle) -> None:
+        if slot.refcount - slot.claimed < 1:
+            self.counters.claims_refused += 1
+            raise HandleReleased(
+                handle=str(handle),
+                allowed=slot.given,
+                option="rv.ref_handle(h) once per extra consumer (consumers=N under @rv.transfer)",
+            )
+        slot.claimed += 1
+
+    def unclaim(self, handle: DataHandle) -> FreedSlot | None:
+        """Give one claim back (its consumer will not consume it: a retried task, a dead
+        resolver). A handle that ended meanwhile has nothing to give back to."""
+        slot = self.held(handle)
+        if slot.ended is None and slot.claimed > 0:
+            slot.claimed -= 1
+        return None
+
     def _lease_on(self, handle: DataHandle, lease_id: int) -> tuple[Slot, Lease]:
-        slot = self.slot(handle)
+        slot = self.held(handle)
         lease = self._leases.get(lease_id)
         if lease is None or lease.slot_id != slot.slot_id:
             raise LeaseNotFound(handle=str(handle), lease_id=lease_id)
@@ -298,53 +401,78 @@ class SlotStore:
         """One more reference, for one more consumer. Returns the new refcount."""
         slot = self.slot(handle)
         slot.refcount += 1
+        slot.given += 1
         return slot.refcount
 
-    def detach(self, handle: DataHandle, lease_id: int) -> FreedSlot | None:
-        """Drop the read lock; the handle stays usable while it has references.
+    def detach(self, handle: DataHandle, lease_id: int, *, claim: bool = False) -> FreedSlot | None:
+        """Drop the read lock (``lease_id`` 0: none); the handle stays usable while it has
+        references. ``claim``: also give one claim back.
 
-        Returns the slot if this was the last lease on a slot whose references are gone.
-        """
-        slot, lease = self._lease_on(handle, lease_id)
-        self._drop_lease(slot, lease)
-        if slot.refcount == 0 and not slot.leases:
-            return self._free(slot, RELEASED_BY_CONSUMERS)
-        return None
-
-    def release(self, handle: DataHandle, lease_id: int) -> FreedSlot | None:
-        """Drop the read lock and one reference; the slot is freed at zero.
-
-        ``lease_id == 0`` drops a reference without a lease (a consumer that read a copy
-        it already had, e.g. a node-local cache hit).
+        Returns the slot if its bytes may go now (an ended handle's last lease).
         """
         if lease_id == 0:
-            slot = self.slot(handle)
+            if not claim:
+                raise LeaseNotFound(handle=str(handle), lease_id=0)
+            return self.unclaim(handle)
+        slot, lease = self._lease_on(handle, lease_id)
+        self._drop_lease(slot, lease)
+        if claim and slot.claimed > 0 and slot.ended is None:
+            slot.claimed -= 1
+        return self._free_if_done(slot, RELEASED_BY_CONSUMERS)
+
+    def release(
+        self, handle: DataHandle, lease_id: int, *, claim: bool = False
+    ) -> FreedSlot | None:
+        """Drop the read lock and one reference; the handle ends at zero.
+
+        ``lease_id == 0`` drops a reference without a lease. ``claim``: the reference is one
+        this consumer claimed. Returns the slot if its bytes may go now.
+        """
+        if lease_id == 0:
+            slot = self.held(handle)
         else:
             slot, lease = self._lease_on(handle, lease_id)
             self._drop_lease(slot, lease)
-        return self._unref(slot, RELEASED_BY_CONSUMERS)
+        return self._unref(slot, RELEASED_BY_CONSUMERS, claim=claim)
 
     def _drop_lease(self, slot: Slot, lease: Lease) -> None:
         del self._leases[lease.lease_id]
         self._timed_leases.pop(lease.lease_id, None)
         slot.leases.discard(lease.lease_id)
 
-    def _unref(self, slot: Slot, why: str) -> FreedSlot | None:
-        slot.refcount = max(0, slot.refcount - 1)
-        if slot.refcount == 0 and not slot.leases:
-            return self._free(slot, why)
-        return None
+    def _unref(
+        self, slot: Slot, why: str, *, claim: bool = False, abandoned: bool = False
+    ) -> FreedSlot | None:
+        if slot.ended is None:
+            slot.refcount = max(0, slot.refcount - 1)
+            if claim and slot.claimed > 0:
+                slot.claimed -= 1
+            slot.claimed = min(slot.claimed, slot.refcount)
+            if slot.refcount == 0:
+                self._end(slot, why)
+        return self._free_if_done(slot, why, abandoned=abandoned)
 
-    def _free(self, slot: Slot, why: str) -> FreedSlot:
-        for lease_id in list(slot.leases):
-            self._drop_lease(slot, self._leases[lease_id])
-        del self._slots[slot.slot_id]
+    def _end(self, slot: Slot, why: str) -> None:
+        """The handle ends (its bytes stay while leases hold them)."""
+        slot.ended = why
+        slot.claimed = 0
         self._ttl_slots.pop(slot.slot_id, None)
-        self._tombstones[slot.slot_id] = why
+        self.counters.handles_ended += 1
+
+    def _free_if_done(self, slot: Slot, why: str, *, abandoned: bool = False) -> FreedSlot | None:
+        if slot.ended is None or slot.leases:
+            return None
+        del self._slots[slot.slot_id]
+        self._remember(slot.slot_id, slot.ended)
+        self.counters.slots_freed += 1
+        return FreedSlot(
+            slot.slot_id, slot.kind, slot.pinned, slot.total_len, slot.location, why, abandoned
+        )
+
+    def _remember(self, slot_id: int, why: str) -> None:
+        self._tombstones[slot_id] = why
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
-        self.counters.slots_freed += 1
-        return FreedSlot(slot.slot_id, slot.kind, slot.pinned, slot.total_len, slot.location, why)
 
     # --- deadlines -------------------------------------------------------------------
 
@@ -355,13 +483,21 @@ class SlotStore:
         return min((d for d in deadlines if d is not None), default=None)
 
     def sweep(self, now: float) -> SweepResult:
-        """Expire TTLs (free with every lease) and force-release leases past deadline."""
+        """Expire TTLs (the handle ends, its chunked leases with it) and force-release
+        remote leases past their deadline."""
         result = SweepResult()
         for slot in [s for s in self._ttl_slots.values() if s.ttl_deadline is not None]:
             if slot.ttl_deadline is not None and slot.ttl_deadline <= now:
-                result.freed.append(self._free(slot, "its TTL expired"))
+                self._end(slot, TTL_EXPIRED)
+                for lease_id in list(slot.leases):
+                    lease = self._leases[lease_id]
+                    if lease.kind == "chunked":  # its consumer gave up; a GET or view may not
+                        self._drop_lease(slot, lease)
                 result.slots_expired += 1
-        for lease in [lease for lease in self._timed_leases.values()]:
+                freed = self._free_if_done(slot, TTL_EXPIRED, abandoned=True)
+                if freed is not None:
+                    result.freed.append(freed)
+        for lease in list(self._timed_leases.values()):
             if lease.deadline is None or lease.deadline > now:
                 continue
             slot = self._slots[lease.slot_id]
@@ -372,7 +508,7 @@ class SlotStore:
             else:
                 result.chunked_leases_expired += 1
                 why = "its chunked lease expired: no pull within the fetch bound"
-            freed = self._unref(slot, why)
+            freed = self._unref(slot, why, claim=lease.claimed, abandoned=True)
             if freed is not None:
                 result.freed.append(freed)
         self.counters.rdma_leases_reaped += result.rdma_leases_reaped
@@ -387,19 +523,20 @@ class SlotStore:
         return {lease.holder_pid for lease in self._leases.values() if lease.holder_pid}
 
     def reap_holders(self, dead_pids: Iterable[int]) -> list[FreedSlot]:
-        """Force-release every lease held by a process that died."""
+        """End every local lease held by a process that died (a detach: a reader's
+        reference was consumed, or not, when it acquired)."""
         dead = set(dead_pids)
         freed: list[FreedSlot] = []
         for lease in [lease for lease in self._leases.values() if lease.holder_pid in dead]:
             slot = self._slots[lease.slot_id]
             self._drop_lease(slot, lease)
             self.counters.local_leases_reaped += 1
-            done = self._unref(slot, "its reader process died")
+            done = self._free_if_done(slot, "its reader process died")
             if done is not None:
                 freed.append(done)
         return freed
 
-    # --- drain -----------------------------------------------------------------------
+    # --- drain and eviction ----------------------------------------------------------
 
     def begin_drain(self) -> None:
         """From now on the owner answers no descriptor (reason ``draining``)."""
@@ -407,28 +544,45 @@ class SlotStore:
 
     def relocate(self, handle: DataHandle, location: Any, *, kind: SlotKind, pinned: bool) -> Any:
         """Move a slot's bytes elsewhere (drain demotes pinned slots); returns the old location."""
-        slot = self.slot(handle)
+        slot = self.held(handle)
         old = slot.location
         slot.location, slot.kind, slot.pinned = location, kind, pinned
         return old
 
+    def end(self, handle: DataHandle, why: str) -> FreedSlot | None:
+        """End a live handle now (e.g. its node-local copy's last reader is gone); its bytes
+        go when its leases do. Returns the slot if they may go at once."""
+        slot = self.slot(handle)
+        self._end(slot, why)
+        return self._free_if_done(slot, why)
+
     def evict(self, handle: DataHandle, why: str) -> FreedSlot:
-        """Free a slot now, with every lease on it (its memory went away, e.g. a region)."""
-        return self._free(self.slot(handle), why)
+        """End a slot and drop every lease on it now (its memory went away, e.g. a region)."""
+        slot = self.held(handle)
+        if slot.ended is None:
+            self._end(slot, why)
+        for lease_id in list(slot.leases):
+            self._drop_lease(slot, self._leases[lease_id])
+        freed = self._free_if_done(slot, why)
+        assert freed is not None
+        return freed
 
     def clear(self) -> list[FreedSlot]:
-        """Free every slot (shutdown). Returns them, for their memory to be released."""
-        return [self._free(slot, "its owner shut down") for slot in list(self._slots.values())]
+        """End and free every slot (shutdown). Returns them, for their memory to go."""
+        out = []
+        for slot in list(self._slots.values()):
+            out.append(self.evict(DataHandle(self.worker_id, slot.slot_id), "its owner shut down"))
+        return out
 
     # --- invariants ------------------------------------------------------------------
 
     def validate(self) -> None:
         """Check the store's invariants; tests call this after every step.
 
-        Every lease sits on a live slot that lists it; a lease is timed iff it has a deadline,
-        and an RDMA lease always has one; no live slot is unreferenced and unleased; a slot
-        has a TTL iff it is in the TTL index; no live slot id is a tombstone; staged minus
-        freed equals live.
+        Every lease sits on a held slot that lists it; a lease is timed iff it has a
+        deadline, and an RDMA lease always has one. A live handle has references, and no
+        more claims than references; an ended one still has leases (else its bytes would
+        have gone) and no TTL. No held slot id is a tombstone; staged minus freed equals held.
 
         Raises:
             AssertionError: an invariant is broken; the message names it (checked under
@@ -448,20 +602,7 @@ class SlotStore:
             if lease.kind == "rdma":
                 _check(lease.deadline is not None, f"RDMA lease {lease_id} has no deadline")
         for slot_id, slot in self._slots.items():
-            _check(slot.slot_id == slot_id, f"slot {slot_id} filed as {slot.slot_id}")
-            _check(slot.refcount >= 0, f"slot {slot_id} refcount {slot.refcount}")
-            _check(slot.refcount > 0 or bool(slot.leases), f"slot {slot_id} unreferenced but live")
-            for lease_id in slot.leases:
-                held = self._leases.get(lease_id)
-                _check(
-                    held is not None and held.slot_id == slot_id,
-                    f"slot {slot_id} lists lease {lease_id}, which is not on it",
-                )
-            _check(
-                (slot.ttl_deadline is not None) == (self._ttl_slots.get(slot_id) is slot),
-                f"slot {slot_id}: ttl {slot.ttl_deadline}, TTL index disagrees",
-            )
-            _check(slot_id not in self._tombstones, f"live slot {slot_id} has a tombstone")
+            self._validate_slot(slot_id, slot)
         for lease_id in self._timed_leases:
             _check(lease_id in self._leases, f"timed lease {lease_id} is not held")
         for slot_id in self._ttl_slots:
@@ -470,8 +611,33 @@ class SlotStore:
         _check(
             counters.slots_staged - counters.slots_freed == len(self._slots),
             f"{counters.slots_staged} staged - {counters.slots_freed} freed "
-            f"!= {len(self._slots)} live",
+            f"!= {len(self._slots)} held",
         )
+
+    def _validate_slot(self, slot_id: int, slot: Slot) -> None:
+        _check(slot.slot_id == slot_id, f"slot {slot_id} filed as {slot.slot_id}")
+        _check(slot.refcount >= 0, f"slot {slot_id} refcount {slot.refcount}")
+        if slot.ended is None:
+            _check(slot.refcount > 0, f"slot {slot_id} unreferenced but its handle lives")
+            _check(
+                0 <= slot.claimed <= slot.refcount,
+                f"slot {slot_id}: {slot.claimed} claims on {slot.refcount} references",
+            )
+        else:
+            _check(bool(slot.leases), f"ended slot {slot_id} has no lease but was not freed")
+            _check(slot.slot_id not in self._ttl_slots, f"ended slot {slot_id} keeps a TTL")
+        for lease_id in slot.leases:
+            held = self._leases.get(lease_id)
+            _check(
+                held is not None and held.slot_id == slot_id,
+                f"slot {slot_id} lists lease {lease_id}, which is not on it",
+            )
+        if slot.ended is None:
+            _check(
+                (slot.ttl_deadline is not None) == (self._ttl_slots.get(slot_id) is slot),
+                f"slot {slot_id}: ttl {slot.ttl_deadline}, TTL index disagrees",
+            )
+        _check(slot_id not in self._tombstones, f"held slot {slot_id} has a tombstone")
 
 
 def _check(condition: bool, message: str) -> None:

@@ -37,6 +37,7 @@ def _classes() -> tuple[Any, Any]:
     import ray
 
     import ray_velo as rv
+    from ray_velo import session
 
     @ray.remote(num_cpus=0)
     class Producer:
@@ -75,7 +76,7 @@ def _classes() -> tuple[Any, Any]:
 
         def velo_fetch(self, handle: rv.DataHandle) -> tuple[float, float | None]:
             """(fetch + read seconds, the agent's GET seconds or None when no GET ran)."""
-            agent = rv.api._process().agent
+            agent = session.current().agent
             before = ray.get(agent.info.remote())["metrics"]
             started = time.perf_counter()
             value = rv.fetch(handle)
@@ -100,7 +101,7 @@ def _classes() -> tuple[Any, Any]:
             return time.perf_counter() - started, crc
 
         def agent_info(self) -> dict[str, Any]:
-            return ray.get(rv.api._process().agent.info.remote())  # type: ignore[no-any-return]
+            return ray.get(session.current().agent.info.remote())  # type: ignore[no-any-return]
 
         def path_counts(self) -> dict[str, int]:
             return dict(self.agent_info()["metrics"]["velo_rendezvous_rdma_path_total"])

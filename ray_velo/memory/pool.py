@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
@@ -154,10 +155,16 @@ class RegistrationBudget:
     """``registered_bytes_budget``: bytes pinned by the pool and external regions together.
 
     Counts whole pages (what the kernel pins). Callers reserve the page-rounded size before
-    registering and :meth:`adjust` to the effective range the backend reports. Thread-safe.
+    registering and :meth:`adjust` to the effective range the backend reports. Idle warm
+    memory never causes a refusal: a reservation that does not fit first asks the
+    *reclaimer* (the registered pool's :meth:`ArenaPool.evict_idle`) to unmap idle warm
+    arenas. ``on_change`` is called (outside the lock) with the new count after every change,
+    so a gauge always equals it. Thread-safe.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(
+        self, budget_bytes: int, *, on_change: Callable[[int], object] | None = None
+    ) -> None:
         """A budget of ``budget_bytes`` bytes, nothing registered.
 
         Raises:
@@ -168,6 +175,14 @@ class RegistrationBudget:
         self._lock = threading.Lock()
         self._budget = budget_bytes
         self._registered = 0
+        self._on_change = on_change
+        self._reclaimer: Callable[[int], int] | None = None
+
+    def set_reclaimer(self, reclaimer: Callable[[int], int] | None) -> None:
+        """``reclaimer(short_bytes) -> bytes released``: frees idle registered memory (warm
+        arenas) when a reservation does not fit. It must not be called with a lock held that
+        it takes itself (the pool reserves with ``reclaim=False``)."""
+        self._reclaimer = reclaimer
 
     @property
     def budget_bytes(self) -> int:
@@ -184,18 +199,29 @@ class RegistrationBudget:
         """Bytes that can still be reserved (0 when over, after an upward adjustment)."""
         return max(0, self._budget - self._registered)
 
-    def reserve(self, nbytes: int) -> bool:
-        """Charge ``nbytes`` rounded up to pages if that stays within the budget.
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self._registered)
+
+    def reserve(self, nbytes: int, *, reclaim: bool = True) -> bool:
+        """Charge ``nbytes`` rounded up to pages if that stays within the budget, evicting
+        idle warm memory first when it would not (``reclaim``).
 
         Returns:
-            False, charging nothing, when it would exceed the budget.
+            False, charging nothing, when it would exceed the budget even then.
         """
         charge = page_round_up(nbytes)
-        with self._lock:
-            if self._registered + charge > self._budget:
+        for attempt in range(2):
+            with self._lock:
+                if self._registered + charge <= self._budget:
+                    self._registered += charge
+                    break
+                short = self._registered + charge - self._budget
+            reclaimer = self._reclaimer
+            if attempt or not reclaim or reclaimer is None or reclaimer(short) <= 0:
                 return False
-            self._registered += charge
-            return True
+        self._changed()
+        return True
 
     def release(self, nbytes: int) -> None:
         """Give back a charge of ``nbytes`` (rounded up to pages, as when reserved).
@@ -208,6 +234,7 @@ class RegistrationBudget:
             if charge > self._registered:
                 raise ValueError(f"releasing {charge} bytes, only {self._registered} charged")
             self._registered -= charge
+        self._changed()
 
     def adjust(self, delta_bytes: int) -> None:
         """Reconcile a reservation with what the backend really pinned (may pass the cap).
@@ -216,6 +243,7 @@ class RegistrationBudget:
         """
         with self._lock:
             self._registered = max(0, self._registered + delta_bytes)
+        self._changed()
 
 
 # --- what allocate() returns --------------------------------------------------------------
@@ -250,6 +278,11 @@ class Placement:
         return self.allocation.size * GRANULE_BYTES
 
     @property
+    def key(self) -> tuple[str, int]:
+        """What names this range among every placement of a node (arena path, offset)."""
+        return (self.arena.path, self.offset_bytes)
+
+    @property
     def address(self) -> int:
         """Address of the first byte in this process (the RDMA descriptor's remote address)."""
         return self.arena.address + self.offset_bytes
@@ -269,11 +302,13 @@ class Fallback:
             pool closed). The spec's path label.
         requested_bytes: the request.
         detail: why, for a log line.
+        error: the error behind it, when one says more (``SharedMemoryTooSmall``).
     """
 
     reason: FallbackReason
     requested_bytes: int
     detail: str = ""
+    error: Exception | None = field(default=None, compare=False)
 
 
 # --- the pool -----------------------------------------------------------------------------
@@ -453,7 +488,7 @@ class ArenaPool:
                     if placed is not None:
                         return placed
                     size = self._next_arena_bytes(granules)
-                reserved = self._budget is None or self._budget.reserve(size)
+                reserved = self._budget is None or self._budget.reserve(size, reclaim=False)
                 # Registrations are evicted by the byte budget, never by a timer (spec):
                 # warm arenas make room for a new one.
                 evicted = [] if reserved else (self._evict_warm_for(size) or [])
@@ -462,7 +497,7 @@ class ArenaPool:
             if not reserved and evicted:
                 with self._lock:
                     assert self._budget is not None
-                    reserved = self._budget.reserve(size)
+                    reserved = self._budget.reserve(size, reclaim=False)
             if not reserved:
                 assert self._budget is not None
                 return Fallback(
@@ -520,6 +555,26 @@ class ArenaPool:
             record.live.remove(allocation)
             if record.allocator.is_empty():
                 record.empty_since = now
+
+    def evict_idle(self, nbytes: int) -> int:
+        """Unmap idle warm arenas (oldest first) until ``nbytes`` of budget are released or
+        none is left; the budget's reclaimer. Returns the bytes released."""
+        with self._map_lock:
+            with self._lock:
+                victims: list[_ArenaRecord] = []
+                released = 0
+                for record in self._warm:
+                    if released >= nbytes:
+                        break
+                    victims.append(record)
+                    released += record.charged_bytes
+                for record in victims:
+                    self._warm.remove(record)
+            freed = 0
+            for record in victims:
+                if self._unmap(record):
+                    freed += record.charged_bytes
+            return freed
 
     # --- reclamation -------------------------------------------------------------------
 
@@ -799,7 +854,7 @@ class ArenaPool:
         except SharedMemoryTooSmall as exc:
             give_back()
             _log.warning("arena pool cannot map %d bytes: %s", size, exc)
-            return Fallback("pool_exhausted", nbytes, str(exc))
+            return Fallback("pool_exhausted", nbytes, str(exc), error=exc)
         except OSError as exc:
             give_back()
             _log.warning("arena pool cannot create an arena of %d bytes: %s", size, exc)

@@ -93,6 +93,16 @@ class AcquireRequest:
         budget_ms: what is left of the caller's bound (spec ``_rv_budget_ms``); 0 = none.
         holder_pid: a process on the owner's node that reads the slot in place; the owner
             reaps its lease if that process dies. 0 = not a local reader.
+        claim: this acquire is a consuming one (a ``fetch`` that releases, a transparent
+            resolution): it claims one of the handle's unclaimed references, or is refused
+            with ``HandleReleased``, so N references allow exactly N consumers however many
+            race. The claim ends with a release (consumed) or a detach (given back) carrying
+            ``claim``. False, as before the field existed: nothing is claimed.
+        consumer_node, consumer_worker: the consumer agent's node and incarnation. An acquire
+            from a new incarnation on a node tells the owner the old one is gone: it ends the
+            old one's leases at once and gives their claims back, rather than reaping them a
+            lease timeout later (a consuming fetch retried on the node's fresh agent finds
+            its reference again). Empty / 0, as before the fields existed: nothing is known.
     """
 
     handle: DataHandle = NULL_HANDLE
@@ -100,6 +110,9 @@ class AcquireRequest:
     lease_ms: int = 0
     budget_ms: int = 0
     holder_pid: int = 0
+    claim: bool = False
+    consumer_node: str = ""
+    consumer_worker: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,18 +158,28 @@ class RefRequest:
 
 @dataclass(frozen=True, slots=True)
 class DetachRequest:
-    """``_rv_detach``: drop the read lock ``lease_id``; the handle stays usable."""
+    """``_rv_detach``: drop the read lock ``lease_id``; the handle stays usable.
+
+    ``claim``: also give back one claim (a resolution whose task Ray retries); ``lease_id``
+    may then be 0. False, as before the field existed.
+    """
 
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0
+    claim: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ReleaseRequest:
-    """``_rv_release``: drop the read lock and one reference (``lease_id`` 0: no lock)."""
+    """``_rv_release``: drop the read lock and one reference (``lease_id`` 0: no lock).
+
+    ``claim``: the reference released is one this consumer claimed at acquire. False, as
+    before the field existed: an unclaimed reference.
+    """
 
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0
+    claim: bool = False
 
 
 @dataclass(frozen=True, slots=True)

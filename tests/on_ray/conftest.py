@@ -138,7 +138,7 @@ def restart_agent(
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ray_velo import api
+    from ray_velo import session
     from ray_velo.actors import NAMESPACE, agent_name, ensure_agent
     from ray_velo.actors.directory import RendezvousActor, register_all_peers
 
@@ -154,7 +154,7 @@ def restart_agent(
         options["runtime_env"] = {"env_vars": env}
     agent = RendezvousActor.options(**options).remote(config or TEST_CONFIG, node_id)
     ray.get(agent.ping.remote(), timeout=60)
-    api._forget_agent()
+    session.forget()
     register_all_peers()
     assert ensure_agent(node_id) is not None
 

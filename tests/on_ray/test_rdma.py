@@ -12,7 +12,8 @@ import pytest
 import ray
 
 import ray_velo as rv
-from ray_velo.actors.directory import register_all_peers
+from ray_velo import session
+from ray_velo.actors.directory import ensure_agent, register_all_peers
 from ray_velo.config import MiB, RdmaConfig, UcxConfig
 from ray_velo.ucx.loader import ucx_available
 from tests.on_ray.conftest import (
@@ -80,7 +81,7 @@ def test_corrupt_descriptor_falls_back_to_chunks_exactly_once(velo: None) -> Non
     detaches, acquires once more with no offer (owner: no_offer) and pulls chunks."""
     payload = pattern(4 * MiB)
     handle = rv.put(payload)
-    owner = rv.api._process().agent
+    owner = session.current().agent
     ray.get(owner.inject_fault.remote("corrupt_descriptors", 1))
     a0, b0 = path_counts("node_a"), path_counts("node_b")
     assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
@@ -88,22 +89,37 @@ def test_corrupt_descriptor_falls_back_to_chunks_exactly_once(velo: None) -> Non
     assert moved(a0, path_counts("node_a")) == {"rdma/ok": 1, "chunked/no_offer": 1}
 
 
-def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
-    """Node b's agent dies holding an RDMA lease: node a's reaper force-releases it
-    between 1 and 1.5 lease timeouts (2 s here) after the last renewal."""
-    from ray_velo.actors import find_agent
+@ray.remote(max_restarts=0, max_task_retries=0, **ON_B)
+class Fetcher:
+    def pid(self) -> int:
+        return os.getpid()
 
-    lease_timeout = TEST_CONFIG.rdma.rendezvous.lease_timeout
-    consumer = find_agent(node_ids()["node_b"])
-    ray.get(consumer.inject_fault.remote("stall_before_get_s", 60.0))
-    handle = rv.put(pattern(MiB))
-    reaped0 = agent_info("node_a")["metrics"]["velo_rendezvous_rdma_leases_reaped_total"]
-    ref = crc_on_b.remote(handle)
+    def crc(self, handle: rv.DataHandle) -> int:
+        return zlib.crc32(np.ascontiguousarray(rv.fetch(handle)))
+
+
+def _wait_for_a_lease() -> None:
     deadline = time.monotonic() + 20
     while agent_info("node_a")["live_leases"] == 0:  # the RDMA lease is granted
         assert time.monotonic() < deadline
         time.sleep(0.01)
     time.sleep(0.3)  # a renewal or two go out
+
+
+def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
+    """Node b's agent and the fetching actor die while the agent holds an RDMA lease, and
+    nothing retries: node a's reaper force-releases the lease between 1 and 1.5 lease
+    timeouts (2 s here) after the last renewal; the consuming fetch's reference goes with
+    it."""
+    lease_timeout = TEST_CONFIG.rdma.rendezvous.lease_timeout
+    ray.get(ensure_agent(node_ids()["node_b"]).inject_fault.remote("stall_before_get_s", 60.0))
+    fetcher = Fetcher.remote()
+    fetcher_pid = ray.get(fetcher.pid.remote())
+    handle = rv.put(pattern(MiB))
+    reaped0 = agent_info("node_a")["metrics"]["velo_rendezvous_rdma_leases_reaped_total"]
+    fetcher.crc.remote(handle)
+    _wait_for_a_lease()
+    os.kill(fetcher_pid, 9)
     os.kill(agent_info("node_b")["pid"], 9)
     killed = time.monotonic()
     while agent_info("node_a")["metrics"]["velo_rendezvous_rdma_leases_reaped_total"] == reaped0:
@@ -112,10 +128,25 @@ def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
     elapsed = time.monotonic() - killed
     # the last renewal went out at most lease_timeout/2 before the kill
     assert 0.5 * lease_timeout - 0.2 <= elapsed <= 1.5 * lease_timeout + 0.3
-    # the consumer task retried on node b's fresh agent and consumed its reference; the
-    # reaped lease was the last thing holding the slot
-    assert ray.get(ref, timeout=30) == zlib.crc32(pattern(MiB))
     with pytest.raises(rv.HandleNotFound, match="reaped"):
+        rv.metadata(handle)
+    ray.get(ensure_agent(node_ids()["node_b"]).ping.remote(), timeout=60)  # node b's next
+    register_all_peers()
+
+
+def test_consumer_agent_restarted_mid_get_supersedes_its_old_lease(velo: None) -> None:
+    """Node b's agent dies mid-GET and the fetching task retries on node b's fresh agent:
+    the owner ends the dead incarnation's lease at the new one's first acquire (giving its
+    claim back), so the retry gets the single-use payload, byte-exact."""
+    ray.get(ensure_agent(node_ids()["node_b"]).inject_fault.remote("stall_before_get_s", 60.0))
+    handle = rv.put(pattern(MiB))
+    before = agent_info("node_a")["counters"]["leases_superseded"]
+    ref = crc_on_b.remote(handle)
+    _wait_for_a_lease()
+    os.kill(agent_info("node_b")["pid"], 9)
+    assert ray.get(ref, timeout=60) == zlib.crc32(pattern(MiB))
+    assert agent_info("node_a")["counters"]["leases_superseded"] == before + 1
+    with pytest.raises(rv.HandleNotFound, match="released by its last consumer"):
         rv.metadata(handle)
     register_all_peers()
 

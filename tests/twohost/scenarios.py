@@ -18,6 +18,7 @@ import numpy as np
 import ray
 
 import ray_velo as rv
+from ray_velo import session
 from ray_velo.actors.directory import (
     alive_node_ids,
     ensure_agent,
@@ -58,7 +59,7 @@ class Host:
         return _crc(value), type(value).__name__
 
     def agent(self) -> dict[str, Any]:
-        return ray.get(rv.api._process().agent.info.remote())  # type: ignore[no-any-return]
+        return ray.get(session.current().agent.info.remote())  # type: ignore[no-any-return]
 
 
 def _paths(actor: Any) -> dict[str, int]:
@@ -97,7 +98,7 @@ def _restart(node_ids: list[str], env: dict[str, str] | None) -> None:
     for node_id in node_ids:
         ray.get(ensure_agent(node_id, CONFIG, env).ping.remote(), timeout=120)
     register_all_peers()
-    rv.api._forget_agent()
+    session.forget()
 
 
 def _transfer_all(info: TestbedInfo, cases: list[tuple[str, int]]) -> dict[str, Any]:

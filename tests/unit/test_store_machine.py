@@ -1,15 +1,17 @@
 """The owner store under random traffic: a hypothesis state machine against a small model.
 
-Consumers stage, ref, acquire (chunked, RDMA, local; with and without deadlines), renew,
-pull, detach and release in any order, also with stale handles and lease ids; the reaper
-sweeps while time advances; local reader processes die. After every step the store's own
-``validate()`` holds and the store agrees with the model:
+Consumers stage, ref, acquire (chunked, RDMA, local; with and without deadlines; claiming
+or not), renew, pull, detach and release (with and without claims) in any order, also with
+stale handles and lease ids; the reaper sweeps while time advances; local reader processes
+die; a consumer agent restarts. After every step the store's own ``validate()`` holds and the
+store agrees with the model:
 
-* a slot exists iff its modelled refcount is above 0 or it holds a live lease, unless its TTL
-  expired at a sweep (then it is gone with every lease on it);
+* a handle lives until its refcount reaches 0, its TTL fires, or it is evicted; from then on
+  every acquire, ref and metadata is refused, while its slot stays as long as it has leases;
+* claims never outnumber references, and a claim beyond them is refused;
 * every slot comes back exactly once as a ``FreedSlot``, from the step the model predicts,
-  with the location it was staged (or relocated) to: staged == live + freed, always;
-* leases, deadlines, refcounts and counters match.
+  with the location it was staged (or relocated) to: staged == held + freed, always;
+* leases, deadlines, refcounts, claims and counters match.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ray_velo.errors import HandleNotFound, LeaseNotFound, ProtocolError
+from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import TypeHeader
 from ray_velo.store import FreedSlot, LeaseKind, SlotKind, SlotStore, SweepResult
@@ -50,6 +52,8 @@ class ModelLease:
     timeout: float | None
     deadline: float | None
     holder_pid: int
+    claimed: bool = False
+    consumer: tuple[str, int] | None = None
 
 
 @dataclass
@@ -62,6 +66,8 @@ class ModelSlot:
     refcount: int
     ttl_deadline: float | None
     leases: set[int] = field(default_factory=set)
+    claimed: int = 0
+    ended: bool = False
 
 
 @dataclass
@@ -70,6 +76,8 @@ class ModelCounters:
     slots_freed: int = 0
     bytes_staged: int = 0
     leases_granted: int = 0
+    leases_superseded: int = 0
+    claims_refused: int = 0
     rdma_leases_reaped: int = 0
     chunked_leases_expired: int = 0
     local_leases_reaped: int = 0
@@ -90,6 +98,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
         self.model_leases: dict[int, ModelLease] = {}  # held, by lease id
         self.freed: dict[int, FreedSlot] = {}  # every FreedSlot the store returned
         self.counters = ModelCounters()
+        self.consumers: dict[str, int] = {}  # consumer node -> latest incarnation
 
     # --- helpers ---------------------------------------------------------------------
 
@@ -117,13 +126,33 @@ class SlotStoreMachine(RuleBasedStateMachine):
         del self.model_leases[lease.lease_id]
         self.slots[lease.slot_id].leases.discard(lease.lease_id)
 
-    def unref(self, slot: ModelSlot) -> bool:
-        """Drop one reference; True when the slot should now be freed."""
-        slot.refcount = max(0, slot.refcount - 1)
-        return slot.refcount == 0 and not slot.leases
+    def end(self, slot: ModelSlot) -> None:
+        slot.ended = True
+        slot.claimed = 0
+
+    def done(self, slot: ModelSlot) -> bool:
+        """Whether the slot's bytes go now: its handle ended and no lease is left."""
+        return slot.ended and not slot.leases
+
+    def unref(self, slot: ModelSlot, claim: bool = False) -> bool:
+        """Drop one reference (a claimed one with ``claim``); True when the slot goes."""
+        if not slot.ended:
+            slot.refcount = max(0, slot.refcount - 1)
+            if claim and slot.claimed > 0:
+                slot.claimed -= 1
+            slot.claimed = min(slot.claimed, slot.refcount)
+            if slot.refcount == 0:
+                self.end(slot)
+        return self.done(slot)
 
     def live(self, handle: DataHandle) -> ModelSlot | None:
+        """The slot while its bytes are held (ended handle or not)."""
         return self.slots.get(handle.slot_id)
+
+    def alive(self, handle: DataHandle) -> ModelSlot | None:
+        """The slot of a live handle."""
+        slot = self.slots.get(handle.slot_id)
+        return None if slot is None or slot.ended else slot
 
     def pick_handle(self, drawn: DataHandle, data: st.DataObject) -> DataHandle:
         """Half the time a live handle (if any), else the drawn one, possibly stale."""
@@ -197,7 +226,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
     @rule(drawn=handles, data=st.data())
     def ref(self, drawn: DataHandle, data: st.DataObject) -> None:
         handle = self.pick_handle(drawn, data)
-        slot = self.live(handle)
+        slot = self.alive(handle)
         if slot is None:
             with pytest.raises(HandleNotFound):
                 self.store.ref(handle)
@@ -227,6 +256,8 @@ class SlotStoreMachine(RuleBasedStateMachine):
         kind=st.sampled_from(["rdma", "chunked", "local"]),
         timeout=st.none() | st.sampled_from([0.25, 1.0, 2.0]),
         holder_pid=st.sampled_from(PIDS),
+        claim=st.booleans(),
+        consumer=st.none() | st.sampled_from([("node-b", 1), ("node-b", 2), ("node-c", 1)]),
         pause=PAUSES,
         data=st.data(),
     )
@@ -236,35 +267,68 @@ class SlotStoreMachine(RuleBasedStateMachine):
         kind: LeaseKind,
         timeout: float | None,
         holder_pid: int,
+        claim: bool,
+        consumer: tuple[str, int] | None,
         pause: float,
         data: st.DataObject,
     ) -> Any:
         self.now += pause
         handle = self.pick_handle(drawn, data)
-        slot = self.live(handle)
+        slot = self.alive(handle)
+        kwargs: dict[str, Any] = {
+            "kind": kind, "timeout": timeout, "holder_pid": holder_pid, "claim": claim,
+            "consumer": consumer,
+        }  # fmt: skip
         if slot is None:
             with pytest.raises(HandleNotFound):
-                self.store.acquire(
-                    handle, self.now, kind=kind, timeout=timeout, holder_pid=holder_pid
-                )
+                self.store.acquire(handle, self.now, **kwargs)
             return multiple()
         if kind == "rdma" and timeout is None:
             with pytest.raises(ProtocolError):
                 self.store.acquire(handle, self.now, kind=kind, timeout=None)
             return multiple()
-        lease = self.store.acquire(
-            handle, self.now, kind=kind, timeout=timeout, holder_pid=holder_pid
-        )
+        if claim and slot.refcount - slot.claimed < 1:
+            with pytest.raises(HandleReleased):
+                self.store.acquire(handle, self.now, **kwargs)
+            self.counters.claims_refused += 1
+            return multiple()
+        lease = self.store.acquire(handle, self.now, **kwargs)
         assert lease.lease_id not in self.model_leases
         assert lease.slot_id == handle.slot_id
         deadline = None if timeout is None else self.now + timeout
         assert lease.deadline == deadline
         self.model_leases[lease.lease_id] = ModelLease(
-            lease.lease_id, slot.handle.slot_id, kind, timeout, deadline, holder_pid
-        )
+            lease.lease_id, slot.handle.slot_id, kind, timeout, deadline, holder_pid, claim,
+            consumer,
+        )  # fmt: skip
+        slot.claimed += claim
         slot.leases.add(lease.lease_id)
         self.counters.leases_granted += 1
         return (handle, lease.lease_id)
+
+    @rule(node=st.sampled_from(["node-b", "node-c"]), worker=st.sampled_from([1, 2, 3]))
+    def supersede(self, node: str, worker: int) -> None:
+        """A consumer agent's incarnation acquires: an older one's leases end (detached,
+        their claims given back)."""
+        previous = self.consumers.get(node)
+        self.consumers[node] = worker
+        expected: set[int] = set()
+        rdma = 0
+        if previous is not None and previous != worker:
+            for lease in list(self.model_leases.values()):
+                if lease.consumer != (node, previous):
+                    continue
+                slot = self.slots[lease.slot_id]
+                self.drop_lease(lease)
+                self.counters.leases_superseded += 1
+                rdma += lease.kind == "rdma"
+                if lease.claimed and not slot.ended and slot.claimed > 0:
+                    slot.claimed -= 1
+                if self.done(slot):
+                    expected.add(slot.handle.slot_id)
+        freed, ended_rdma = self.store.supersede(node, worker)
+        assert ended_rdma == rdma
+        self.collect(freed, expected)
 
     @rule(held=leases, other=handles, pause=PAUSES, data=st.data())
     def renew(
@@ -299,50 +363,69 @@ class SlotStoreMachine(RuleBasedStateMachine):
         if lease.timeout is not None:
             lease.deadline = self.now + lease.timeout
 
-    @rule(held=leases, other=handles, data=st.data())
-    def detach(self, held: tuple[DataHandle, int], other: DataHandle, data: st.DataObject) -> None:
-        """``_rv_detach``: the lock goes, the reference stays."""
+    @rule(held=leases, other=handles, claim=st.booleans(), data=st.data())
+    def detach(
+        self, held: tuple[DataHandle, int], other: DataHandle, claim: bool, data: st.DataObject
+    ) -> None:
+        """``_rv_detach``: the lock goes, the reference stays (``claim``: a claim goes back)."""
         handle, lease_id = self.pick_lease(held, other, data)
         error = self.expect_lease_on(handle, lease_id)
         if error is not None:
             with pytest.raises(error):
-                self.store.detach(handle, lease_id)
+                self.store.detach(handle, lease_id, claim=claim)
             return
         lease = self.model_leases[lease_id]
         slot = self.slots[lease.slot_id]
         self.drop_lease(lease)
-        expected = {slot.handle.slot_id} if slot.refcount == 0 and not slot.leases else set()
-        freed = self.store.detach(handle, lease_id)
+        if claim and slot.claimed > 0 and not slot.ended:
+            slot.claimed -= 1
+        expected = {slot.handle.slot_id} if self.done(slot) else set()
+        freed = self.store.detach(handle, lease_id, claim=claim)
         self.collect([] if freed is None else [freed], expected)
 
-    @rule(held=leases, other=handles, data=st.data())
-    def release(self, held: tuple[DataHandle, int], other: DataHandle, data: st.DataObject) -> None:
-        """``_rv_release``: the lock and one reference go."""
+    @rule(held=leases, other=handles, claim=st.booleans(), data=st.data())
+    def release(
+        self, held: tuple[DataHandle, int], other: DataHandle, claim: bool, data: st.DataObject
+    ) -> None:
+        """``_rv_release``: the lock and one reference (a claimed one with ``claim``) go."""
         handle, lease_id = self.pick_lease(held, other, data)
         error = self.expect_lease_on(handle, lease_id)
         if error is not None:
             with pytest.raises(error):
-                self.store.release(handle, lease_id)
+                self.store.release(handle, lease_id, claim=claim)
             return
         lease = self.model_leases[lease_id]
         slot = self.slots[lease.slot_id]
         self.drop_lease(lease)
-        expected = {slot.handle.slot_id} if self.unref(slot) else set()
-        freed = self.store.release(handle, lease_id)
+        expected = {slot.handle.slot_id} if self.unref(slot, claim) else set()
+        freed = self.store.release(handle, lease_id, claim=claim)
         self.collect([] if freed is None else [freed], expected)
 
-    @rule(drawn=handles, data=st.data())
-    def release_without_lease(self, drawn: DataHandle, data: st.DataObject) -> None:
+    @rule(drawn=handles, claim=st.booleans(), data=st.data())
+    def release_without_lease(self, drawn: DataHandle, claim: bool, data: st.DataObject) -> None:
         """``release(handle, 0)``: a consumer that read a copy it had drops its reference."""
         handle = self.pick_handle(drawn, data)
         slot = self.live(handle)
         if slot is None:
             with pytest.raises(HandleNotFound):
-                self.store.release(handle, 0)
+                self.store.release(handle, 0, claim=claim)
             return
-        expected = {slot.handle.slot_id} if self.unref(slot) else set()
-        freed = self.store.release(handle, 0)
+        expected = {slot.handle.slot_id} if self.unref(slot, claim) else set()
+        freed = self.store.release(handle, 0, claim=claim)
         self.collect([] if freed is None else [freed], expected)
+
+    @rule(drawn=handles, data=st.data())
+    def unclaim(self, drawn: DataHandle, data: st.DataObject) -> None:
+        """``detach(handle, 0, claim=True)``: a retried resolution gives its claim back."""
+        handle = self.pick_handle(drawn, data)
+        slot = self.live(handle)
+        if slot is None:
+            with pytest.raises(HandleNotFound):
+                self.store.detach(handle, 0, claim=True)
+            return
+        if not slot.ended and slot.claimed > 0:
+            slot.claimed -= 1
+        assert self.store.detach(handle, 0, claim=True) is None
 
     # --- time ------------------------------------------------------------------------
 
@@ -365,13 +448,19 @@ class SlotStoreMachine(RuleBasedStateMachine):
         expected: set[int] = set()
         expired = 0
         for slot in list(self.slots.values()):
-            if slot.ttl_deadline is not None and slot.ttl_deadline <= self.now:
+            if slot.ended or slot.ttl_deadline is None or slot.ttl_deadline > self.now:
+                continue
+            self.end(slot)  # the handle ends; its chunked leases with it
+            expired += 1
+            for lease_id in sorted(slot.leases):
+                if self.model_leases[lease_id].kind == "chunked":
+                    self.drop_lease(self.model_leases[lease_id])
+            if self.done(slot):
                 expected.add(slot.handle.slot_id)
-                expired += 1
         rdma = chunked = 0
         for lease in list(self.model_leases.values()):
             if lease.slot_id in expected:
-                continue  # gone with its slot's TTL
+                continue
             if lease.deadline is None or lease.deadline > self.now:
                 continue
             slot = self.slots[lease.slot_id]
@@ -380,7 +469,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
                 rdma += 1
             else:
                 chunked += 1
-            if self.unref(slot):
+            if self.unref(slot, lease.claimed):
                 expected.add(slot.handle.slot_id)
         result = self.store.sweep(self.now)
         assert isinstance(result, SweepResult)
@@ -397,7 +486,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(lease.holder_pid for lease in self.model_leases.values()))
     @rule(dead=st.sets(st.sampled_from(PIDS[1:]), min_size=1))
     def reap_holders(self, dead: set[int]) -> None:
-        """Local reader processes died: their leases and references go."""
+        """Local reader processes died: their leases end (a detach)."""
         expected: set[int] = set()
         for lease in list(self.model_leases.values()):
             if lease.holder_pid not in dead:
@@ -405,7 +494,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
             slot = self.slots[lease.slot_id]
             self.drop_lease(lease)
             self.counters.local_leases_reaped += 1
-            if self.unref(slot):
+            if self.done(slot):
                 expected.add(slot.handle.slot_id)
         self.collect(self.store.reap_holders(dead), expected)
 
@@ -413,7 +502,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
     def evict(self, drawn: DataHandle, data: st.DataObject) -> None:
         """A region was deregistered under the slot: it goes now, leases and all."""
         handle = self.pick_handle(drawn, data)
-        slot = self.live(handle)
+        slot = self.live(handle)  # an ended handle's bytes go too
         if slot is None:
             with pytest.raises(HandleNotFound):
                 self.store.evict(handle, "its region was deregistered")
@@ -437,15 +526,20 @@ class SlotStoreMachine(RuleBasedStateMachine):
         assert not set(self.slots) & set(self.freed)
 
     @invariant()
-    def a_slot_exists_iff_referenced_or_leased(self) -> None:
+    def a_slot_is_held_iff_its_handle_lives_or_it_is_leased(self) -> None:
         for slot_id, slot in self.slots.items():
-            assert slot.refcount > 0 or slot.leases, f"model keeps dead slot {slot_id}"
+            assert not slot.ended or slot.leases, f"model keeps dead slot {slot_id}"
+            if slot.ended:
+                with pytest.raises(HandleNotFound):
+                    self.store.metadata(slot.handle)
+                continue
             meta = self.store.metadata(slot.handle)
             assert (meta.size, meta.refcount, meta.pinned) == (
                 slot.total_len,
                 slot.refcount,
                 slot.pinned,
             )
+            assert self.store.slot(slot.handle).claimed == slot.claimed <= slot.refcount
         for slot_id in self.freed:
             with pytest.raises(HandleNotFound, match="not found"):
                 self.store.metadata(DataHandle(WORKER, slot_id))
@@ -470,7 +564,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
     def next_deadline_is_the_earliest(self) -> None:
         """The driver arms a timer only while something is timed, for the earliest time."""
         deadlines = [lease.deadline for lease in self.model_leases.values()]
-        deadlines += [slot.ttl_deadline for slot in self.slots.values()]
+        deadlines += [slot.ttl_deadline for slot in self.slots.values() if not slot.ended]
         timed = [d for d in deadlines if d is not None]
         assert self.store.next_deadline() == (min(timed) if timed else None)
 
@@ -482,6 +576,8 @@ class SlotStoreMachine(RuleBasedStateMachine):
             c.slots_freed,
             c.bytes_staged,
             c.leases_granted,
+            c.leases_superseded,
+            c.claims_refused,
             c.rdma_leases_reaped,
             c.chunked_leases_expired,
             c.local_leases_reaped,
@@ -491,6 +587,8 @@ class SlotStoreMachine(RuleBasedStateMachine):
             m.slots_freed,
             m.bytes_staged,
             m.leases_granted,
+            m.leases_superseded,
+            m.claims_refused,
             m.rdma_leases_reaped,
             m.chunked_leases_expired,
             m.local_leases_reaped,

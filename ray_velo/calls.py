@@ -1,0 +1,101 @@
+"""Waiting on Ray calls: one bound per wait, and the one map from Ray's errors to ours.
+
+Every wait on a Ray call in ray_velo goes through :func:`wait`. It bounds the wait, and maps
+Ray's errors once, here, by whom the call went to: this node's own agent (``peer="agent"``:
+a dead actor is :class:`~ray_velo.errors.AgentDied`) or a payload's owner (``peer="owner"``:
+a dead actor or node is :class:`~ray_velo.errors.OwnerDied`). An error the callee raised
+(``HandleNotFound``, ``PayloadTooLarge``...) comes back as itself, not wrapped. A wait that
+runs out raises what ``on_timeout`` builds (a :class:`~ray_velo.errors.TransferTimeout`).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any, Literal
+
+import ray
+from ray import exceptions as ray_errors
+
+from ray_velo.errors import AgentDied, OwnerDied, VeloError
+
+__all__ = ["Peer", "clear_ray_frames", "map_ray_error", "wait"]
+
+Peer = Literal["agent", "owner"]
+
+
+def clear_ray_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames in a Ray error's traceback.
+
+    ``ray.get`` frames keep the error itself in their locals, a cycle that keeps every
+    caller frame alive (through ``f_back``) until the cyclic GC runs: a caller's zero-copy
+    view, and with it a read lease, would outlive the caller. Clearing the finished frames
+    breaks the cycle at once.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+
+
+def map_ray_error(
+    exc: BaseException, *, peer: Peer, handle: object = None, node: str | None = None
+) -> BaseException:
+    """Our error for a Ray error met while calling ``peer`` (about ``handle`` on ``node``)."""
+    if isinstance(exc, ray_errors.RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, VeloError):
+            return cause
+        whom = "this node's agent" if peer == "agent" else f"owner of {handle} on node {node}"
+        return VeloError(f"{whom} failed: {cause!r}")
+    dead = (
+        ray_errors.RayActorError,
+        ray_errors.NodeDiedError,
+        ray_errors.ObjectLostError,
+        ray_errors.OwnerDiedError,
+    )
+    if isinstance(exc, dead):
+        if peer == "agent":
+            return AgentDied()
+        return OwnerDied(handle=str(handle), node=node)
+    return exc
+
+
+def wait(
+    ref: Any,
+    timeout_s: float | None,
+    *,
+    peer: Peer,
+    on_timeout: Callable[[], BaseException],
+    handle: object = None,
+    node: str | None = None,
+    cancel: bool = False,
+) -> Any:
+    """``ray.get(ref)`` within ``timeout_s`` seconds (None: unbounded), Ray's errors mapped.
+
+    ``cancel``: cancel the call when the wait runs out (an owner call nobody waits for any
+    more must not keep a slot of the owner's threads).
+    """
+    cause: BaseException | None = None
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray_errors.GetTimeoutError as exc:
+        clear_ray_frames(exc)
+        if cancel:
+            ray.cancel(ref)
+        error: BaseException | None = on_timeout()
+    except ray_errors.RayError as exc:
+        clear_ray_frames(exc)
+        error = map_ray_error(exc, peer=peer, handle=handle, node=node)
+        if error is exc:
+            raise
+        if not isinstance(exc, ray_errors.RayTaskError):
+            cause = exc
+    # Raised outside the except clause, and the locals dropped on the way out: no cycle
+    # (error -> traceback -> this frame -> error, or error -> context -> Ray's error ->
+    # cause -> error) keeps the caller's frames, and a view (its lease) in them, alive.
+    try:
+        raise error from cause  # type: ignore[misc]
+    finally:
+        error = cause = None

@@ -1,0 +1,365 @@
+"""Performs a :class:`~ray_velo.consumer.fetch.FetchMachine`'s instructions: the calls, the
+GET with its lease renewal, the pulls, and the buffer moves in the owner state's ledger.
+
+The machine decides; this module only does. Each request's outcome (or the error it raised)
+goes back to the machine as an event, until the machine says Done or Fail. Every buffer this
+fetch allocates is entered in the ledger as ``fetch:<id>`` the moment it exists, and leaves it
+only as the machine says: back to its pool, into the quarantine, or into a local slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray_velo.consumer.deadline import Deadline
+from ray_velo.consumer.fetch import (
+    Acquire,
+    Allocate,
+    Allocated,
+    Answered,
+    CheckDescriptor,
+    Count,
+    Decoded,
+    DecodeFailed,
+    Done,
+    EndLease,
+    Event,
+    Fail,
+    Failed,
+    FetchFacts,
+    FetchMachine,
+    Get,
+    GetExpired,
+    GetFailed,
+    GetOk,
+    GiveBack,
+    Instruction,
+    Mode,
+    Pull,
+    Pulled,
+    Quarantine,
+    Stage,
+    WithdrawWriter,
+)
+from ray_velo.consumer.links import OwnerLink, acquire
+from ray_velo.consumer.peers import Peers
+from ray_velo.core import AgentCore
+from ray_velo.errors import DescriptorError, UcxError
+from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.protocol import (
+    AcquireRequest,
+    DataHandle,
+    DetachRequest,
+    LeaseRenewRequest,
+    Rdma,
+    Ready,
+    ReleaseRequest,
+    encode,
+)
+
+__all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewal"]
+
+_log = logging.getLogger(__name__)
+
+#: Floor of the consumer's RDMA lease renewal period (spec: 5 ms).
+RENEW_FLOOR_S = 0.005
+
+
+class LeaseRenewal:
+    """Renews an RDMA lease every lease_timeout / 2 (at least 5 ms) while a GET runs.
+
+    Renewals are fire-and-forget: a lost one is harmless, the next is half a deadline away.
+    A lease_timeout_ms of 0 means the owner set no deadline: no thread at all.
+    """
+
+    def __init__(self, link: OwnerLink, handle: DataHandle, lease_id: int, lease_timeout_ms: int):
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if lease_timeout_ms <= 0:
+            return
+        period = max(lease_timeout_ms / 2000, RENEW_FLOOR_S)
+        message = encode(LeaseRenewRequest(handle, lease_id))
+
+        def run() -> None:
+            while not self._stop.wait(period):
+                link.send("_rv_lease_renew", message)
+
+        self._thread = threading.Thread(target=run, name="ray_velo-lease-renewal", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+
+@dataclass(slots=True)
+class _Destination:
+    buffer: Any = None  # a Placement: the fetch's own, or the PinnedWriter's
+    fid: int | None = None  # the ledger entry when the fetch owns it
+    registered: bool = False
+
+
+class _Run:
+    """One fetch being performed."""
+
+    def __init__(
+        self,
+        driver: FetchDriver,
+        link: OwnerLink,
+        machine: FetchMachine,
+        deadline: Deadline,
+        pid: int,
+        writer_rid: int,
+        writer_buffer: Any,
+    ) -> None:
+        self.driver = driver
+        self.core = driver.core
+        self.link = link
+        self.machine = machine
+        self.handle = machine.handle
+        self.deadline = deadline
+        self.pid = pid
+        self.writer_rid = writer_rid
+        self.dest = _Destination(writer_buffer, None, writer_buffer is not None)
+        self.local: tuple[Any, int] | None = None  # (local slot, reader's lease id)
+
+    def request(self, instruction: Instruction) -> Event:
+        try:
+            return self._request(instruction)
+        except Exception as exc:
+            return Failed(exc)
+
+    def _request(self, instruction: Instruction) -> Event:
+        if isinstance(instruction, Acquire):
+            return self._acquire(instruction)
+        if isinstance(instruction, CheckDescriptor):
+            try:
+                return Decoded(
+                    self.core.rdma.decode(
+                        instruction.answer.descriptor, instruction.answer.total_len
+                    )
+                )
+            except DescriptorError as exc:
+                return DecodeFailed(str(exc))
+        if isinstance(instruction, Allocate):
+            return self._allocate(instruction)
+        if isinstance(instruction, Get):
+            return self._get(instruction)
+        if isinstance(instruction, Pull):
+            self.link.pull(
+                instruction.answer,
+                self.dest.buffer.view(),
+                self.core.config.pulls_in_flight,
+                self.deadline,
+                self.handle,
+            )
+            return Pulled()
+        raise AssertionError(f"not a request: {instruction!r}")
+
+    def _acquire(self, instruction: Acquire) -> Event:
+        budget = self.deadline.budget_ms()
+        request = AcquireRequest(
+            self.handle,
+            rdma=instruction.offer,
+            lease_ms=budget if instruction.chunked_deadline else 0,
+            budget_ms=budget,
+            claim=instruction.claim,
+            consumer_node=self.core.node_id,
+            consumer_worker=self.core.worker_id,
+        )
+        return Answered(acquire(self.link, request, self.deadline))
+
+    def _allocate(self, instruction: Allocate) -> Event:
+        core = self.core
+        core.check_open()
+        now = core.clock()
+        if instruction.registered:
+            placement = core.memory.allocate_registered(instruction.nbytes, now)
+            if placement is None:
+                return Allocated(False)
+        else:
+            placement = core.memory.allocate_plain(instruction.nbytes, now)
+        with core.lock:
+            fid = core.state.fetch_take(placement, instruction.registered)
+        self.dest = _Destination(placement, fid, instruction.registered)
+        return Allocated(True)
+
+    def _get(self, instruction: Get) -> Event:
+        core, answer = self.core, instruction.answer
+        renewal = LeaseRenewal(self.link, self.handle, answer.lease_id, answer.lease_timeout_ms)
+        started = time.monotonic()
+        try:
+            remaining = self.deadline.remaining()
+            timeout = remaining if remaining is not None else max(60.0, answer.total_len / 50e6)
+            if timeout <= 0:
+                return GetExpired(self.deadline.timeout_error(self.handle))
+            stall = core.faults.get("stall_before_get_s", 0.0)
+            if stall:
+                time.sleep(stall)
+            if core.take_fault("fail_gets"):
+                raise UcxError(operation="ucp_get_nbx", status=-3, status_text="injected failure")
+            buffer = self.dest.buffer
+            core.rdma.get(
+                self.link.node, instruction.descriptor, buffer.address, timeout, buffer.registration
+            )
+        except UcxError as exc:
+            _log.warning(
+                "ray_velo: GET of %s from node %s failed: %s", self.handle, self.link.node, exc
+            )
+            unsafe = bool(exc.fields.get("destination_unsafe"))
+            if self.deadline.expired():
+                return GetExpired(self.deadline.timeout_error(self.handle), unsafe)
+            return GetFailed(unsafe)
+        finally:
+            renewal.stop()
+        core.metrics.get_completed(time.monotonic() - started)
+        if core.config.rdma.ucx.ep_idle_timeout is not None:
+            core.poke()  # arm the idle-endpoint scan
+        return GetOk()
+
+    def act(self, instruction: Instruction) -> None:
+        """Perform an instruction that expects no result."""
+        core = self.core
+        if isinstance(instruction, Count):
+            core.metrics.path(instruction.path, instruction.reason)
+        elif isinstance(instruction, EndLease):
+            cls = ReleaseRequest if instruction.release else DetachRequest
+            method = "_rv_release" if instruction.release else "_rv_detach"
+            message = cls(self.handle, instruction.lease_id, claim=instruction.claim)
+            self.link.send(method, encode(message))
+        elif isinstance(instruction, GiveBack):
+            fid, self.dest = self.dest.fid, _Destination()
+            assert fid is not None
+            with core.changing() as fx:
+                core.state.fetch_give_back(fid, fx)
+        elif isinstance(instruction, Quarantine):
+            fid, buffer = self.dest.fid, self.dest.buffer
+            assert fid is not None
+            with core.lock:
+                core.state.fetch_quarantine(fid)
+            self.dest = _Destination()
+            _log.error(
+                "ray_velo: a timed-out GET may still write %d bytes at %s; they stay out of "
+                "every pool until this agent shuts down",
+                buffer.nbytes,
+                buffer.key,
+            )
+        elif isinstance(instruction, WithdrawWriter):
+            with core.lock:
+                core.state.fill_withdraw(self.writer_rid)
+            self.dest = _Destination()
+        elif isinstance(instruction, Stage):
+            self._stage(instruction.answer)
+        else:
+            raise AssertionError(f"unknown instruction {instruction!r}")
+
+    def _stage(self, answer: Ready | Rdma) -> None:
+        core = self.core
+        fid = self.dest.fid
+        assert fid is not None
+        indexed = self.machine.mode != "hold"
+        with core.lock:
+            now = core.clock()
+            kind = core.memory.kind_of(self.dest.buffer, self.dest.registered)
+            slot = core.state.fetch_stage(
+                fid, answer.total_len, answer.type_header, kind, now,
+                copy_of=self.handle if indexed else None,
+            )  # fmt: skip
+            self.local = (slot, self._lease_local(slot, indexed, now))
+        self.dest = _Destination()
+
+    def _lease_local(self, slot: Any, indexed: bool, now: float) -> int:
+        # core.lock held. A copy no other fetch can find ends with its reader's lease.
+        store = self.core.state.store
+        local = self.core.handle(slot.slot_id)
+        lease = store.acquire(local, now, kind="local", holder_pid=self.pid)
+        if not indexed:
+            store.release(local, 0)
+        return lease.lease_id
+
+    def done(self, outcome: Done) -> LocalLease:
+        core, answer = self.core, outcome.answer
+        if self.writer_rid:
+            buffer = self.dest.buffer
+            lease = LocalLease(
+                DataHandle(core.worker_id, 0, core.node_id), 0, buffer.arena.path,
+                buffer.offset_bytes, answer.total_len, answer.type_header, buffer.dedicated,
+                outcome.kept_lease,
+            )  # fmt: skip
+        else:
+            if self.local is None:  # an empty payload: nothing moved, nothing allocated
+                with core.lock:
+                    slot = core.state.stage_empty(answer.type_header, core.clock())
+                    self.local = (slot, self._lease_local(slot, False, core.clock()))
+            slot, lease_id = self.local
+            lease = lease_of(core.worker_id, core.node_id, slot, lease_id, outcome.kept_lease)
+        if outcome.claimed:
+            with core.lock:
+                core.state.claim_held(self.pid, self.handle)
+        core.poke()  # a reader to watch
+        return lease
+
+
+class FetchDriver:
+    """Runs fetches for the processes of this node (see the module docstring)."""
+
+    def __init__(self, core: AgentCore, peers: Peers) -> None:
+        self.core = core
+        self.peers = peers
+
+    def run(
+        self,
+        link: OwnerLink,
+        handle: DataHandle,
+        mode: Mode,
+        deadline: Deadline,
+        pid: int,
+        writer_rid: int = 0,
+        writer_buffer: Any = None,
+    ) -> LocalLease:
+        """Fetch ``handle`` from ``link``'s owner; a lease on the local result for ``pid``.
+
+        Raises:
+            HandleNotFound, HandleReleased, OwnerDied, TransferTimeout, PayloadTooLarge,
+            ProtocolError, SharedMemoryTooSmall: as the fetch met them; every lease and buffer
+            was dealt with first.
+        """
+        core = self.core
+        started = time.monotonic()
+        facts = FetchFacts(
+            has_registry=core.rdma is not None,
+            rdma_enabled=core.rdma_enabled,
+            peer_registered=self.peers.registered(link.node, handle.worker_id),
+            payload_max=core.config.staged_payload_max,
+            writer_bytes=None if writer_buffer is None else writer_buffer.nbytes,
+        )
+        machine = FetchMachine(handle, link.node, mode, facts)
+        run = _Run(self, link, machine, deadline, pid, writer_rid, writer_buffer)
+        pending = machine.start()
+        while True:
+            event: Event | None = None
+            for instruction in pending:
+                if isinstance(instruction, Done):
+                    return self._finish(run, instruction, started)
+                if isinstance(instruction, Fail):
+                    raise instruction.error
+                if isinstance(instruction, (Acquire, CheckDescriptor, Allocate, Get, Pull)):
+                    event = run.request(instruction)
+                else:
+                    run.act(instruction)
+            assert event is not None, f"no request among {pending}"
+            pending = machine.on(event)
+
+    def _finish(self, run: _Run, outcome: Done, started: float) -> LocalLease:
+        lease = run.done(outcome)
+        if outcome.path == "chunked":
+            self.peers.learn(run.link, run.handle.worker_id, run.deadline)
+        self.core.metrics.fetched(
+            outcome.path, outcome.answer.total_len, time.monotonic() - started
+        )
+        return lease

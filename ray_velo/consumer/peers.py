@@ -1,0 +1,126 @@
+"""The owners a consumer knows: how to reach each one, and whether UCX is wired to it.
+
+:class:`PeerDirectory` finds an owner's agent by the node hint in a handle (or, for a handle
+that lost it, by the worker id the owner recorded in Ray's KV), keeps one
+:class:`~ray_velo.consumer.links.RayOwnerLink` per node, forgets a dead incarnation's, and
+registers peers' UCX worker addresses with the RDMA backend: the consumer's third offer fact
+("UCX is registered for that peer"). After a first (chunked) transfer from an unknown owner it
+learns that owner's address, so later transfers offer RDMA (the spec's cold start).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ray_velo.consumer.deadline import Deadline
+from ray_velo.consumer.links import OwnerLink, RayOwnerLink
+from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
+from ray_velo.protocol import DataHandle
+
+__all__ = ["PeerDirectory", "Peers"]
+
+
+class Peers(Protocol):
+    """What the consumer needs of a directory (Ray's, or ``ray_velo.testing``'s)."""
+
+    def link(self, handle: DataHandle) -> OwnerLink:
+        """The owner of ``handle``. Raises OwnerDied or HandleNotFound."""
+        ...
+
+    def forget(self, link: OwnerLink) -> bool:
+        """Drop a dead owner's link; True if it was cached (a fresh lookup may find a new
+        incarnation on that node)."""
+        ...
+
+    def registered(self, node: str, worker_id: int) -> bool:
+        """Whether UCX is registered for that owner incarnation."""
+        ...
+
+    def learn(self, link: OwnerLink, worker_id: int, deadline: Deadline) -> None:
+        """Learn an owner's UCX address after a first chunked transfer (never raises)."""
+        ...
+
+
+class PeerDirectory:
+    """Ray's directory of owner agents (see the module docstring)."""
+
+    def __init__(
+        self,
+        rdma: Any,
+        find_agent: Callable[[str], Any],
+        node_of_worker: Callable[[int], str | None],
+        own_node: str,
+    ) -> None:
+        self._rdma = rdma
+        self._find_agent = find_agent
+        self._node_of_worker = node_of_worker
+        self._own_node = own_node
+        self._lock = threading.Lock()
+        self._links: dict[str, RayOwnerLink] = {}
+        self._no_ucx: set[tuple[str, int]] = set()  # (node, worker id) without UCX
+
+    def owner_node(self, handle: DataHandle) -> str:
+        if handle.owner_node:
+            return handle.owner_node
+        node = self._node_of_worker(handle.worker_id)
+        if node is None:
+            raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
+        return node
+
+    def link(self, handle: DataHandle) -> RayOwnerLink:
+        node = self.owner_node(handle)
+        with self._lock:
+            link = self._links.get(node)
+        if link is not None:
+            return link
+        try:
+            actor = self._find_agent(node)
+        except ValueError as exc:
+            raise OwnerDied(handle=str(handle), node=node) from exc
+        link = RayOwnerLink(actor, node)
+        with self._lock:
+            return self._links.setdefault(node, link)
+
+    def forget(self, link: OwnerLink) -> bool:
+        with self._lock:
+            cached = self._links.get(link.node) is link
+            if cached:
+                del self._links[link.node]
+        return cached
+
+    @property
+    def nodes(self) -> list[str]:
+        with self._lock:
+            return sorted(self._links)
+
+    def registered(self, node: str, worker_id: int) -> bool:
+        return self._rdma is not None and bool(self._rdma.peer_registered(node, worker_id))
+
+    def register(self, addresses: dict[str, tuple[int, bytes | None]]) -> int:
+        """Learn peer agents' worker addresses: node id -> (worker id, address)."""
+        if self._rdma is None:
+            return 0
+        count = 0
+        for node, (worker_id, address) in addresses.items():
+            if node != self._own_node and address:
+                self._rdma.register_peer(node, worker_id, address)
+                count += 1
+        return count
+
+    def learn(self, link: OwnerLink, worker_id: int, deadline: Deadline) -> None:
+        if self._rdma is None or self._rdma.peer_registered(link.node, worker_id):
+            return
+        with self._lock:
+            if (link.node, worker_id) in self._no_ucx:
+                return
+        try:
+            peer_worker, address = link.ucx_address(deadline)
+        except VeloError:
+            return
+        if address:
+            self._rdma.register_peer(link.node, peer_worker, address)
+        else:
+            with self._lock:
+                self._no_ucx.add((link.node, peer_worker))

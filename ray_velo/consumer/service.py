@@ -1,0 +1,208 @@
+"""The agent as consumer, for the processes of its node: fetch from other nodes' owners,
+reuse a node-local copy, end claims, and route the handle API to a handle's owner.
+
+A fetch from another node runs a :class:`~ray_velo.consumer.fetch.FetchMachine` through the
+:class:`~ray_velo.consumer.driver.FetchDriver`. A node-local copy of the same payload serves a
+second fetch on this node without moving bytes, but only once the owner said so: the handle
+may have ended there (released, TTL), and a consuming fetch claims its reference there, so
+``consumers=N`` stays exact whichever node reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from ray_velo.consumer.deadline import Deadline
+from ray_velo.consumer.driver import FetchDriver
+from ray_velo.consumer.fetch import Mode
+from ray_velo.consumer.links import OwnerLink, acquire
+from ray_velo.consumer.peers import Peers
+from ray_velo.core import AgentCore
+from ray_velo.errors import HandleNotFound, LeaseNotFound, OwnerDied, StagingError
+from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.owner.service import HANDLERS, OwnerService
+from ray_velo.protocol import (
+    AcquireRequest,
+    DataHandle,
+    DetachRequest,
+    ReleaseRequest,
+    encode,
+)
+
+__all__ = ["ConsumerService"]
+
+_MODES = ("release", "detach", "hold", "claim")
+
+
+class ConsumerService:
+    """Fetches, copies, claims and routing of one agent (see the module docstring)."""
+
+    def __init__(self, core: AgentCore, peers: Peers, owner: OwnerService) -> None:
+        self.core = core
+        self.peers = peers
+        self.owner = owner
+        self.driver = FetchDriver(core, peers)
+        self._inflight = 0
+        self._inflight_cond = threading.Condition(threading.Lock())
+
+    # --- fetches ---------------------------------------------------------------------
+
+    def fetch(
+        self,
+        handle: DataHandle,
+        mode: Mode,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        writer_rid: int = 0,
+    ) -> LocalLease:
+        """Bring ``handle``'s bytes to this node and lease them to ``pid``.
+
+        ``mode``: ``release`` (consume one reference), ``claim`` (a transparent resolution:
+        claim one, consumed or given back with :meth:`claim_end`), ``detach`` (the handle
+        stays usable) or ``hold`` (the get family: the owner's lease stays the caller's).
+        ``writer_rid`` (with ``hold``): a PinnedWriter's reservation that the GET (or the
+        chunks) land in directly; no local slot is made.
+        """
+        if mode not in _MODES:
+            raise ValueError(f"unknown fetch mode {mode!r}")
+        if writer_rid and mode != "hold":
+            raise ValueError("a PinnedWriter destination needs mode='hold'")
+        with self._inflight_cond:
+            self.core.check_open()
+            self._inflight += 1
+        try:
+            deadline = Deadline.start(timeout_s, bound, self.core.clock)
+            if writer_rid:
+                return self._into_writer(handle, deadline, pid, writer_rid)
+            return self._fetch(handle, mode, deadline, pid)
+        finally:
+            with self._inflight_cond:
+                self._inflight -= 1
+                self._inflight_cond.notify_all()
+
+    def _fetch(self, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int) -> LocalLease:
+        link = self.peers.link(handle)
+        if mode != "hold":
+            cached = self._from_copy(link, handle, mode, deadline, pid)
+            if cached is not None:
+                return cached
+        try:
+            return self.driver.run(link, handle, mode, deadline, pid)
+        except OwnerDied:
+            if not self.peers.forget(link):
+                raise
+        # The cached link was to a dead incarnation; a new agent may serve the node now (it
+        # answers HandleNotFound for the old one's handles).
+        return self.driver.run(self.peers.link(handle), handle, mode, deadline, pid)
+
+    def _into_writer(
+        self, handle: DataHandle, deadline: Deadline, pid: int, writer_rid: int
+    ) -> LocalLease:
+        core = self.core
+        with core.lock:
+            pending = core.state.fill_begin(writer_rid)  # its buffer stays until we end
+        try:
+            return self.driver.run(
+                self.peers.link(handle), handle, "hold", deadline, pid, writer_rid, pending.buffer
+            )
+        finally:
+            with core.changing() as fx:
+                core.state.fill_end(writer_rid, fx)
+
+    def _from_copy(
+        self, link: OwnerLink, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int
+    ) -> LocalLease | None:
+        """Serve from a live node-local copy, once the owner agreed (see the module
+        docstring). The reader's lease on the copy is taken first, so the copy cannot go
+        between the owner's word and the lease."""
+        core = self.core
+        with core.lock:
+            copy = core.state.copy_for(handle)
+            if copy is None:
+                return None
+            local = core.handle(copy.slot_id)
+            lease = core.state.store.acquire(local, core.clock(), kind="local", holder_pid=pid)
+        try:
+            answer = acquire(
+                link,
+                AcquireRequest(
+                    handle, claim=mode in ("release", "claim"), lease_ms=deadline.budget_ms()
+                ),
+                deadline,
+            )
+        except BaseException:
+            with core.changing() as fx:
+                core.state.lease_end(local, lease.lease_id, False, core.clock(), fx)
+            raise
+        if mode == "release":
+            link.send("_rv_release", encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
+        else:
+            link.send("_rv_detach", encode(DetachRequest(handle, answer.lease_id)))
+        with core.lock:
+            if mode == "claim":
+                core.state.claim_held(pid, handle)
+        core.metrics.fetched("cache", copy.total_len, 0.0)
+        core.poke()
+        return lease_of(core.worker_id, core.node_id, copy, lease.lease_id)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no fetch runs (shutdown); False if some still did after ``timeout_s``."""
+        with self._inflight_cond:
+            return self._inflight_cond.wait_for(lambda: self._inflight == 0, timeout_s)
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    # --- claims ----------------------------------------------------------------------
+
+    def claim_end(self, handle: DataHandle, consume: bool, pid: int) -> None:
+        """Process ``pid`` is done with its claim on ``handle``: ``consume`` it (the body
+        succeeded) or give it back (Ray retries the task). Not waited for by the caller; a
+        handle gone meanwhile (its TTL) is no error here."""
+        with self.core.lock:
+            held = self.core.state.claim_end(pid, handle)
+        if held:
+            self._end_claim(handle, consume)
+
+    def return_claims(self, handles: list[DataHandle]) -> None:
+        """Give back the claims of processes that died (Ray retries system failures)."""
+        for handle in handles:
+            self._end_claim(handle, consume=False)
+
+    def _end_claim(self, handle: DataHandle, consume: bool) -> None:
+        method = "_rv_release" if consume else "_rv_detach"
+        cls = ReleaseRequest if consume else DetachRequest
+        message = encode(cls(handle, 0, claim=True))
+        if handle.worker_id == self.core.worker_id:
+            with contextlib.suppress(HandleNotFound, LeaseNotFound):
+                self.owner.handle(method, message)
+            return
+        with contextlib.suppress(HandleNotFound, OwnerDied):
+            self.peers.link(handle).send(method, message)
+
+    # --- routing ---------------------------------------------------------------------
+
+    def route(self, handle: DataHandle, method: str, data: bytes, timeout_s: float | None) -> Any:
+        """Run one of the seven handlers on ``handle``'s owner (this agent or a peer)."""
+        if method not in HANDLERS:
+            raise ValueError(f"unknown handler {method!r}")
+        if handle.worker_id == self.core.worker_id:
+            return self.owner.handle(method, data)
+        for attempt in range(2):
+            link = self.peers.link(handle)
+            try:
+                return link.call(method, data, Deadline.start(timeout_s), handle)
+            except OwnerDied:
+                if attempt or not self.peers.forget(link):
+                    raise
+        raise AssertionError("unreachable")
+
+    def release_quietly(self, handle: DataHandle) -> None:
+        """Drop one reference on ``handle`` for a caller that does not wait for the answer;
+        a handle already gone (its TTL came first) is not an error here."""
+        with contextlib.suppress(HandleNotFound, OwnerDied, StagingError):
+            self.route(handle, "_rv_release", encode(ReleaseRequest(handle, 0)), None)

@@ -1,0 +1,137 @@
+"""What every role of a node agent shares: its state under one lock, its memory, its metrics.
+
+An agent plays four roles (owner, same-node producers and readers, caller-owned regions,
+cross-node consumer), each a module of its own. They share one :class:`AgentCore`:
+
+* ``state`` (:class:`~ray_velo.owner.state.OwnerState`, pure) changes only inside
+  ``with core.changing() as fx:``, which holds the one lock; the effects collected in ``fx``
+  (buffers back to their pools, region anchors released, the timer poked) are performed
+  after the lock is released, so no unmap or free ever runs under it;
+* ``memory`` (pools and budget) locks itself;
+* ``commits`` lets a call that names a handle wait for its producer's commit, which the
+  producer sends without waiting for the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_velo.config import VeloConfig
+from ray_velo.errors import StagingError
+from ray_velo.memory.node import NodeMemory
+from ray_velo.owner.state import Effects, OwnerState
+from ray_velo.protocol import DataHandle
+
+__all__ = ["COMMIT_WAIT_S", "AgentCore", "CommitGate"]
+
+#: How long a call naming a handle waits for its producer's commit to land (s).
+COMMIT_WAIT_S = 30.0
+
+
+class CommitGate:
+    """Slots whose producer's commit is on its way: calls naming them wait for it."""
+
+    def __init__(self, worker_id: int) -> None:
+        self._worker_id = worker_id
+        self._lock = threading.Lock()
+        self._events: dict[int, threading.Event] = {}
+
+    def expect(self, slot_id: int) -> None:
+        with self._lock:
+            self._events[slot_id] = threading.Event()
+
+    def landed(self, slot_id: int) -> None:
+        """The commit of ``slot_id`` landed (or never will: the reservation ended)."""
+        with self._lock:
+            event = self._events.pop(slot_id, None)
+        if event is not None:
+            event.set()
+
+    def wait(self, handle: DataHandle, timeout_s: float = COMMIT_WAIT_S) -> None:
+        """Wait for ``handle``'s commit if it is still on its way.
+
+        Raises:
+            StagingError: it did not land within ``timeout_s``.
+        """
+        if handle.worker_id != self._worker_id:
+            return
+        with self._lock:
+            event = self._events.get(handle.slot_id)
+        if event is not None and not event.wait(timeout_s):
+            raise StagingError(
+                f"handle {handle} is still being staged after {timeout_s} s: its producer "
+                "did not commit it"
+            )
+
+    def release_all(self) -> None:
+        with self._lock:
+            events, self._events = list(self._events.values()), {}
+        for event in events:
+            event.set()
+
+
+@dataclass
+class AgentCore:
+    """The agent's shared parts (see the module docstring)."""
+
+    config: VeloConfig
+    node_id: str
+    worker_id: int
+    state: OwnerState
+    memory: NodeMemory
+    metrics: Any
+    rdma: Any  # the UCX backend (ray_velo.ucx.backend.UcxRdmaBackend) or None
+    rdma_enabled: bool
+    poke: Callable[[], None] = lambda: None
+    clock: Callable[[], float] = time.monotonic
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    commits: CommitGate = field(init=False)
+    #: Fault injection for the fault tests only (see the agent's inject_fault).
+    faults: dict[str, float] = field(default_factory=dict)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.commits = CommitGate(self.worker_id)
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[Effects]:
+        """Hold the state lock for a change; perform its effects after releasing it."""
+        fx = Effects()
+        try:
+            with self.lock:
+                yield fx
+        finally:
+            self.perform(fx)
+
+    def perform(self, fx: Effects) -> None:
+        """Give buffers back, release anchors, poke the timer (outside the lock)."""
+        now = self.clock()
+        for buffer, registered in fx.free:
+            self.memory.free(buffer, registered, now)
+        for anchor in fx.anchors:
+            anchor.release()
+        if fx.poke:
+            self.poke()
+
+    def check_open(self) -> None:
+        """Raises StagingError once the agent is shutting down."""
+        if self.closed:
+            raise StagingError(f"the ray_velo agent on node {self.node_id} is shutting down")
+
+    def take_fault(self, name: str) -> bool:
+        """Consume one count of test fault ``name`` (False when none is armed)."""
+        with self.lock:
+            left = self.faults.get(name, 0)
+            if left <= 0:
+                return False
+            self.faults[name] = left - 1
+            return True
+
+    def handle(self, slot_id: int) -> DataHandle:
+        """This agent's handle for ``slot_id`` (with the node hint)."""
+        return DataHandle(self.worker_id, slot_id, self.node_id)

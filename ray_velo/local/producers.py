@@ -1,0 +1,86 @@
+"""Same-node producers: reserve a range of a shared segment, write it, commit it.
+
+A producer (``rv.put``) asks its node's agent for a reservation, writes its bytes straight
+into the shared segment (one copy, no transfer), and commits without waiting for the answer;
+a call that names the handle before the commit lands waits for it (the commit gate). A
+PinnedWriter is a reservation that is never committed, only filled and given back.
+"""
+
+from __future__ import annotations
+
+from ray_velo.core import AgentCore
+from ray_velo.local.records import Reservation
+from ray_velo.protocol import DataHandle, TypeHeader
+
+__all__ = ["ProducerService"]
+
+
+class ProducerService:
+    """``stage_reserve`` / ``stage_commit`` / ``stage_abort`` of one agent."""
+
+    def __init__(self, core: AgentCore) -> None:
+        self.core = core
+
+    def reserve(self, nbytes: int, pinned: bool, pid: int) -> Reservation:
+        """Reserve ``nbytes`` for process ``pid`` to write into; commit or abort it next.
+
+        Raises:
+            SharedMemoryTooSmall: the shm directory cannot hold the bytes.
+            StagingError: the agent is shutting down.
+        """
+        core = self.core
+        core.check_open()
+        placement = None
+        kind, registered = "empty", False
+        if nbytes:  # outside the lock: mapping a new arena must not stall other calls
+            placement, kind, registered = core.memory.allocate(
+                nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled
+            )
+        with core.changing() as fx:
+            if core.closed:
+                if placement is not None:
+                    fx.free.append((placement, registered))
+                core.check_open()
+            rid, pending = core.state.reserve(placement, kind, registered, pid)  # type: ignore[arg-type]
+            core.commits.expect(pending.slot_id)
+        handle = core.handle(pending.slot_id)
+        if placement is None:
+            return Reservation(rid, "", 0, 0, False, handle)
+        return Reservation(
+            rid, placement.arena.path, placement.offset_bytes, nbytes, placement.dedicated, handle
+        )
+
+    def commit(
+        self,
+        reservation_id: int,
+        nbytes: int,
+        type_header: TypeHeader,
+        ttl: float | None,
+        refcount: int,
+    ) -> DataHandle:
+        """Turn a written reservation into a slot; returns its handle.
+
+        Raises:
+            StagingError: the reservation is unknown (aborted, its producer died) or the
+                agent is shutting down.
+        """
+        core = self.core
+        pending = None
+        try:
+            with core.changing() as fx:
+                core.check_open()
+                pending = core.state.reservation(reservation_id)
+                handle = core.state.commit(
+                    reservation_id, nbytes, type_header, ttl, refcount, core.clock(), fx
+                )
+        finally:
+            if pending is not None:
+                core.commits.landed(pending.slot_id)
+        return DataHandle(handle.worker_id, handle.slot_id, core.node_id)
+
+    def abort(self, reservation_id: int, why: str = "its producer aborted staging it") -> None:
+        """Give a reservation's memory back (a failed put, a closed PinnedWriter)."""
+        with self.core.changing() as fx:
+            slot_id = self.core.state.abort(reservation_id, why, fx)
+        if slot_id is not None:
+            self.core.commits.landed(slot_id)

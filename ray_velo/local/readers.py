@@ -1,0 +1,98 @@
+"""Same-node readers: a process of the owner's node reads a slot in place, under a lease.
+
+A numpy fetch on the owner's node is a read-only view of the shared segment: no transfer, no
+copy. The view holds a local lease until it is garbage-collected (or its process dies). A slot
+staged in a caller's region is never handed out in place (its owner may write it at any time):
+the reader gets a lease on a copy taken under the region's copy gate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ray_velo.core import AgentCore
+from ray_velo.errors import HandleNotFound, LeaseNotFound
+from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.owner.state import ReadMode, RegionSlot
+from ray_velo.protocol import DataHandle
+from ray_velo.store import Slot
+
+__all__ = ["ReaderService"]
+
+
+class ReaderService:
+    """``local_acquire`` / ``local_end`` of one agent."""
+
+    def __init__(self, core: AgentCore) -> None:
+        self.core = core
+
+    def acquire(self, handle: DataHandle, pid: int, mode: ReadMode) -> LocalLease:
+        """A lease for process ``pid`` reading an owned slot in place.
+
+        ``mode`` (see :meth:`~ray_velo.owner.state.OwnerState.local_acquire`): ``release``
+        consumes a reference now, ``claim`` claims one, ``detach`` and ``hold`` take none; with
+        ``hold`` (the get family) the lease is the caller's to detach or release, and on a
+        region slot its id comes back as ``remote_lease_id``.
+
+        Raises:
+            HandleNotFound: the handle ended (released, TTL, its owner restarted).
+            HandleReleased: a consuming read found every reference claimed.
+        """
+        core = self.core
+        core.commits.wait(handle)
+        with core.changing() as fx:
+            slot, lease = core.state.local_acquire(handle, pid, mode, core.clock())
+            fx.poke = True  # a holder to watch
+            if not isinstance(slot.location, RegionSlot) or slot.total_len == 0:
+                return lease_of(core.worker_id, core.node_id, slot, lease.lease_id)
+        return self._copy_of_region(handle, slot, lease.lease_id, pid, mode)
+
+    def _copy_of_region(
+        self, handle: DataHandle, slot: Slot, lease_id: int, pid: int, mode: ReadMode
+    ) -> LocalLease:
+        """Copy a region slot under its copy gate into plain memory; the reader leases the
+        copy, and its lease on the region slot ends (unless ``hold`` keeps it)."""
+        core = self.core
+        region_slot: RegionSlot = slot.location
+        total_len = slot.total_len
+        fid = None
+        try:
+            placement = core.memory.allocate_plain(total_len, core.clock())
+            with core.lock:
+                fid = core.state.fetch_take(placement, False)
+            region_slot.region.copy_into(region_slot.offset, placement.view()[:total_len])
+            with core.changing() as fx:
+                now = core.clock()
+                copy = core.state.fetch_stage(fid, total_len, slot.type_header, "plain", now)
+                fid = None
+                copy_lease = core.state.store.acquire(
+                    core.handle(copy.slot_id), now, kind="local", holder_pid=pid
+                )
+                # the copy is the reader's only: it ends with the reader's lease
+                core.state.store.release(core.handle(copy.slot_id), 0)
+                if mode != "hold":
+                    core.state.lease_end(handle, lease_id, False, now, fx)
+                return lease_of(
+                    core.worker_id,
+                    core.node_id,
+                    copy,
+                    copy_lease.lease_id,
+                    lease_id if mode == "hold" else 0,
+                )
+        except BaseException:
+            with core.changing() as fx:
+                if fid is not None:
+                    core.state.fetch_give_back(fid, fx)
+                with contextlib.suppress(HandleNotFound, LeaseNotFound):  # a TTL came first
+                    core.state.lease_end(handle, lease_id, False, core.clock(), fx)
+            raise
+
+    def end(self, handle: DataHandle, lease_id: int, release: bool) -> None:
+        """End a local lease: ``release`` also drops one reference. A slot already gone
+        (shutdown) has nothing left to end."""
+        core = self.core
+        with core.changing() as fx:
+            try:
+                core.state.lease_end(handle, lease_id, release, core.clock(), fx)
+            except (HandleNotFound, LeaseNotFound):
+                return

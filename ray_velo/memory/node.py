@@ -1,0 +1,177 @@
+"""A node agent's memory: the registered pool, the plain pool, and the budget they share.
+
+:class:`NodeMemory` decides where bytes go (registered memory when asked and possible, plain
+memory otherwise, never failing for lack of registered memory: the spec's
+``register_data_pinned``), gives them back, and keeps the registration metrics equal to the
+budget's own count. It is thread-safe through the pools' own locks, so a mapping never
+holds the agent's state lock. Who holds each buffer meanwhile is the owner state's ledger
+(:mod:`ray_velo.owner.state`), not this module's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from ray_velo.config import RdmaPoolConfig, VeloConfig
+from ray_velo.errors import SharedMemoryTooSmall, StagingError
+from ray_velo.memory.arena import remove_stale_segments
+from ray_velo.memory.pool import ArenaPool, Fallback, Placement, Registrar, RegistrationBudget
+from ray_velo.store import SlotKind
+
+__all__ = ["PLAIN_MAX_ARENA_BYTES", "NodeMemory"]
+
+_log = logging.getLogger(__name__)
+
+#: Upper bound on one arena of the plain (unregistered) pool.
+PLAIN_MAX_ARENA_BYTES = 1 << 30
+
+
+class NodeMemory:
+    """The pools and budget of one agent.
+
+    Args:
+        config: the agent's configuration (pool sizes, budget, shm directory).
+        owner_tag: the agent's worker id, named in every arena file.
+        registrar: registers arenas with the RDMA backend; None without one (no registered
+            pool: everything is plain memory).
+        metrics: the agent's metrics (path labels at staging, registration gauges).
+    """
+
+    def __init__(
+        self, config: VeloConfig, owner_tag: int, registrar: Registrar | None, metrics: Any
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        os.makedirs(config.shm_dir, exist_ok=True)
+        for path in remove_stale_segments(config.shm_dir):
+            _log.warning("removed shared-memory segment %s of a crashed ray_velo agent", path)
+        pool_config = config.rdma.pool
+        self.budget = RegistrationBudget(
+            pool_config.registered_bytes_budget, on_change=metrics.set_registered
+        )
+        self.registrar = registrar
+        self.pinned_pool: ArenaPool | None = None
+        if registrar is not None:
+            self.pinned_pool = ArenaPool(
+                pool_config, config.shm_dir, owner_tag, registrar=registrar, budget=self.budget
+            )
+            self.budget.set_reclaimer(self.pinned_pool.evict_idle)
+        self.plain_pool = ArenaPool(
+            RdmaPoolConfig(
+                initial_arena_bytes=config.plain_arena_bytes,
+                max_arena_bytes=max(config.plain_arena_bytes, PLAIN_MAX_ARENA_BYTES),
+                dedicated_arena_min=pool_config.dedicated_arena_min,
+                registered_bytes_budget=1 << 62,
+                arena_reclaim_after=pool_config.arena_reclaim_after,
+                retain_arena_bytes=pool_config.retain_arena_bytes,
+                warm_dedicated_bytes=pool_config.warm_dedicated_bytes,
+            ),
+            config.shm_dir,
+            owner_tag,
+        )
+        self._registrations_seen = 0
+        self._seen_lock = threading.Lock()
+
+    # --- placing bytes ---------------------------------------------------------------
+
+    def allocate(
+        self, nbytes: int, pinned: bool, now: float, *, rdma_enabled: bool, record: bool = True
+    ) -> tuple[Placement, SlotKind, bool]:
+        """A placement for ``nbytes`` (>= 1): registered when ``pinned`` and possible, else
+        plain. Returns (placement, slot kind, registered).
+
+        ``record``: count a pinned-staging fallback in the path metric (the owner's staging
+        point, spec labels ``kill_switch``, ``budget``, ``pool_exhausted``). Without a
+        registered pool (no UCX) the data goes to plain memory, counting nothing.
+
+        Raises:
+            SharedMemoryTooSmall: the shm directory cannot hold the bytes.
+            StagingError: plain memory failed for another reason.
+        """
+        if pinned:
+            if not rdma_enabled:
+                if record:
+                    self.metrics.path("chunked", "kill_switch")
+            elif self.pinned_pool is not None:
+                got = self.pinned_pool.allocate(nbytes, now)
+                self._count_registrations()
+                if isinstance(got, Placement):
+                    return got, "dedicated" if got.dedicated else "pooled", True
+                if record:
+                    self.metrics.path("chunked", got.reason)
+        return self._plain(nbytes, now), "plain", False
+
+    def _plain(self, nbytes: int, now: float) -> Placement:
+        got = self.plain_pool.allocate(nbytes, now)
+        if isinstance(got, Fallback):
+            if isinstance(got.error, SharedMemoryTooSmall):
+                raise got.error
+            raise StagingError(
+                f"cannot stage {nbytes} bytes in plain memory in {self.config.shm_dir}: "
+                f"{got.detail or got.reason}"
+            )
+        return got
+
+    def allocate_registered(self, nbytes: int, now: float) -> Placement | None:
+        """A registered destination for a GET, or None (the consumer's ``pool_exhausted``)."""
+        if self.pinned_pool is None:
+            return None
+        got = self.pinned_pool.allocate(nbytes, now)
+        self._count_registrations()
+        return got if isinstance(got, Placement) else None
+
+    def allocate_plain(self, nbytes: int, now: float) -> Placement:
+        """A plain destination (chunks, copies). Raises as :meth:`allocate`."""
+        return self._plain(nbytes, now)
+
+    def kind_of(self, placement: Placement, registered: bool) -> SlotKind:
+        if placement.dedicated:
+            return "dedicated"
+        return "pooled" if registered else "plain"
+
+    def free(self, placement: Any, registered: bool, now: float) -> None:
+        """Give ``placement`` back to the pool it came from."""
+        pool = self.pinned_pool if registered else self.plain_pool
+        if pool is not None:
+            pool.free(placement, now)
+
+    # --- upkeep ----------------------------------------------------------------------
+
+    def _count_registrations(self) -> None:
+        """Count the arena registrations the pool made since the last look."""
+        assert self.pinned_pool is not None
+        total = self.pinned_pool.registrations_total.get("arena", 0)
+        with self._seen_lock:
+            new = total - self._registrations_seen
+            self._registrations_seen = max(total, self._registrations_seen)
+        for _ in range(new):
+            self.metrics.registration("arena", self.budget.registered_bytes)
+
+    def reclaim(self, now: float) -> list[float]:
+        """Unmap what reclamation allows; the next times it has something to do."""
+        due = []
+        for pool in (self.pinned_pool, self.plain_pool):
+            if pool is None:
+                continue
+            pool.reclaim(now)
+            when = pool.next_reclaim_deadline(now)
+            if when is not None:
+                due.append(when)
+        return due
+
+    @property
+    def pinned_used_bytes(self) -> int:
+        return 0 if self.pinned_pool is None else self.pinned_pool.used_bytes
+
+    @property
+    def plain_used_bytes(self) -> int:
+        return self.plain_pool.used_bytes
+
+    def close(self) -> None:
+        """Unregister, unmap and unlink every arena (quarantined memory included)."""
+        if self.pinned_pool is not None:
+            self.pinned_pool.close()
+        self.plain_pool.close()

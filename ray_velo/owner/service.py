@@ -1,0 +1,213 @@
+"""The owner's seven handlers: decode, change the state under the lock, act outside it, encode.
+
+``_rv_metadata``, ``_rv_acquire``, ``_rv_pull``, ``_rv_ref``, ``_rv_detach``, ``_rv_release`` and
+``_rv_lease_renew`` of the spec, as methods of :class:`OwnerService`. Each decodes its message,
+waits for a commit still on its way, makes one change to the owner state under the agent's
+lock and returns; buffers freed by the change go back to their pools after the lock is released
+(:meth:`~ray_velo.core.AgentCore.changing`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ray_velo.core import AgentCore
+from ray_velo.owner.state import RegionSlot
+from ray_velo.protocol import (
+    AcquireRequest,
+    DetachRequest,
+    LeaseRenewRequest,
+    MetadataRequest,
+    MetadataResponse,
+    OwnerFacts,
+    PullRequest,
+    Rdma,
+    Ready,
+    RefRequest,
+    ReleaseRequest,
+    decide_path,
+    decode,
+    encode,
+)
+from ray_velo.store import Slot
+
+__all__ = ["HANDLERS", "OwnerService"]
+
+HANDLERS = frozenset(
+    {
+        "_rv_metadata",
+        "_rv_acquire",
+        "_rv_pull",
+        "_rv_ref",
+        "_rv_detach",
+        "_rv_release",
+        "_rv_lease_renew",
+    }
+)
+
+
+class OwnerService:
+    """The seven handlers of one agent as owner (see the module docstring)."""
+
+    def __init__(self, core: AgentCore) -> None:
+        self.core = core
+
+    def handle(self, method: str, data: bytes) -> Any:
+        """Run handler ``method`` (one of :data:`HANDLERS`) on ``data``."""
+        if method not in HANDLERS:
+            raise ValueError(f"unknown handler {method!r}")
+        return getattr(self, method)(data)
+
+    def _rv_metadata(self, data: bytes) -> bytes:
+        request = decode(MetadataRequest, data)
+        self.core.commits.wait(request.handle)
+        with self.core.lock:
+            meta = self.core.state.store.metadata(request.handle)
+        return encode(MetadataResponse(meta.size, meta.refcount, meta.pinned))
+
+    def _rv_acquire(self, data: bytes) -> bytes:
+        """A read lease and the path, in one round trip (spec: the eight checks)."""
+        request = decode(AcquireRequest, data)
+        core = self.core
+        core.commits.wait(request.handle)
+        consumer = None
+        with core.changing() as fx:
+            if request.consumer_node and request.consumer_worker:
+                consumer = (request.consumer_node, request.consumer_worker)
+                ended = core.state.supersede(*consumer, core.clock(), fx)
+                core.metrics.leases_reaped(ended)
+            store = core.state.store
+            slot = store.slot(request.handle)
+            rendezvous = core.config.rdma.rendezvous
+            facts = OwnerFacts(
+                offer=request.rdma,
+                has_registry=core.rdma is not None,
+                rdma_enabled=core.rdma_enabled,
+                slot_pinned=slot.pinned,
+                total_len=slot.total_len,
+                rdma_min_bytes=rendezvous.rdma_min_bytes,
+                draining=store.draining,
+            )
+            decision = decide_path(facts, lambda: self._descriptor(slot))
+            descriptor = decision.descriptor
+            if decision.reason == "no_offer" and core.take_fault("answer_rdma_without_offer"):
+                descriptor = self._descriptor(slot) or b""  # a broken owner, for the tests
+            core.metrics.path(decision.path, decision.reason)
+            now = core.clock()
+            if descriptor:
+                if core.take_fault("corrupt_descriptors"):
+                    descriptor += b"\x00"  # a trailing byte: decode must refuse it
+                lease = store.acquire(
+                    request.handle,
+                    now,
+                    kind="rdma",
+                    timeout=rendezvous.lease_timeout,
+                    claim=request.claim,
+                    consumer=consumer,
+                )
+                fx.poke = True
+                return encode(
+                    Rdma(
+                        lease.lease_id,
+                        descriptor,
+                        rendezvous.lease_timeout_ms,
+                        slot.total_len,
+                        slot.type_header,
+                    )
+                )
+            timeout = request.lease_ms / 1000 if request.lease_ms > 0 else None
+            lease = store.acquire(
+                request.handle,
+                now,
+                kind="local" if request.holder_pid else "chunked",
+                timeout=timeout,
+                holder_pid=request.holder_pid,
+                claim=request.claim,
+                consumer=consumer,
+            )
+            fx.poke = timeout is not None or bool(request.holder_pid)
+            chunk = core.config.chunk_size
+            return encode(
+                Ready(
+                    lease.lease_id,
+                    lease.lease_id,
+                    chunk,
+                    math.ceil(slot.total_len / chunk),
+                    slot.total_len,
+                    slot.type_header,
+                )
+            )
+
+    def _descriptor(self, slot: Slot) -> bytes | None:
+        """Check 8: the staging still exists (registered) and the descriptor encodes."""
+        rdma = self.core.rdma
+        if rdma is None:
+            return None
+        location = slot.location
+        if isinstance(location, RegionSlot):
+            region = location.region
+            if region.state.name != "REGISTERED":
+                return None
+            address = region.address + location.offset
+            return rdma.descriptor(region.registration, address, slot.total_len)  # type: ignore[no-any-return]
+        registration = getattr(location, "registration", None)
+        if registration is None:
+            return None
+        return rdma.descriptor(registration, location.address, slot.total_len)  # type: ignore[no-any-return]
+
+    def _rv_pull(self, data: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """One chunk.
+
+        A pool slot's chunk is returned as a view of the arena: Ray copies it into its
+        object store while serializing the return value, after this method returns, so a
+        slot abandoned right after keeps its memory out of the pool for the pull grace. A
+        region's chunk is copied here, under the region's copy gate.
+        """
+        request = decode(PullRequest, data)
+        core = self.core
+        with core.lock:
+            plan = core.state.pull(
+                request.transfer_id, request.index, core.config.chunk_size, core.clock()
+            )
+        location = plan.slot.location
+        if plan.view:
+            view = location.view()
+            return np.frombuffer(view, dtype=np.uint8, count=plan.length, offset=plan.start)
+        try:
+            out = np.empty(plan.length, dtype=np.uint8)
+            if plan.length and isinstance(location, RegionSlot):
+                # never a view into caller memory: copy under the region's gate
+                location.region.copy_into(location.offset + plan.start, out.data)
+            return out
+        finally:
+            with core.changing() as fx:
+                core.state.end_read(plan.slot.slot_id, core.clock(), fx)
+
+    def _rv_ref(self, data: bytes) -> int:
+        request = decode(RefRequest, data)
+        self.core.commits.wait(request.handle)
+        with self.core.lock:
+            return self.core.state.store.ref(request.handle)
+
+    def _rv_detach(self, data: bytes) -> None:
+        request = decode(DetachRequest, data)
+        self._end(request.handle, request.lease_id, release=False, claim=request.claim)
+
+    def _rv_release(self, data: bytes) -> None:
+        request = decode(ReleaseRequest, data)
+        self._end(request.handle, request.lease_id, release=True, claim=request.claim)
+
+    def _end(self, handle: Any, lease_id: int, *, release: bool, claim: bool) -> None:
+        """Detach (lock only, or a claim given back) or release (lock and one reference)."""
+        core = self.core
+        core.commits.wait(handle)
+        with core.changing() as fx:
+            core.state.lease_end(handle, lease_id, release, core.clock(), fx, claim=claim)
+
+    def _rv_lease_renew(self, data: bytes) -> None:
+        request = decode(LeaseRenewRequest, data)
+        with self.core.lock:
+            self.core.state.store.renew(request.handle, request.lease_id, self.core.clock())

@@ -1,0 +1,617 @@
+"""Everything an agent knows about its slots and its memory, as one plain object.
+
+Theory of operation. :class:`OwnerState` holds the slot table (:class:`~ray_velo.store.SlotStore`)
+and what the agent keeps beside it: producers' reservations, the read gate (copies out of a
+slot in progress), the pull grace, the quarantine, the destinations of fetches in flight, the
+node-local copies of other nodes' payloads and the claims its local processes hold. It does no
+I/O, starts no thread and reads no clock: every call takes ``now`` where time matters and adds
+what the caller must do to an :class:`Effects` (give these buffers back to their pool, release
+those region anchors, look at the timers again). The agent calls it under one short lock and
+performs the effects outside it.
+
+**The buffer ledger.** Every pool buffer the agent has handed out is in ``holders``, under
+exactly one holder, and moves between holders only through this class:
+
+    reservation:<rid>   a producer writes it (or a PinnedWriter, which a fetch may fill)
+    slot:<id>           a staged slot's bytes
+    fetch:<id>          the destination of a fetch (or a region copy) in progress
+    parked:<id>         a freed slot's bytes, waiting for a copy out of them to end
+    grace:<id>          a freed slot's bytes, waiting out the pull grace
+    quarantine          memory a timed-out GET may still write: never given back
+
+A buffer leaves the ledger only to go back to its pool (``Effects.free``), once. A second
+give-back, or a move from the wrong holder, raises: that is a double free caught before it
+happens. ``validate()`` rebuilds the ledger from the other tables and compares.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from ray_velo.errors import HandleNotFound, ProtocolError, StagingError
+from ray_velo.protocol.handle import DataHandle
+from ray_velo.protocol.messages import TypeHeader
+from ray_velo.store import FreedSlot, Lease, Slot, SlotKind, SlotStore, SweepResult
+
+__all__ = [
+    "PULL_GRACE_S",
+    "Buffer",
+    "Effects",
+    "OwnerState",
+    "Pending",
+    "PullPlan",
+    "Reaped",
+    "RegionSlot",
+]
+
+#: How long a slot's bytes stay out of the pool after its last chunk was handed out as a view
+#: (Ray serializes a returned view after the method returns: milliseconds for 16 MiB).
+PULL_GRACE_S = 1.0
+#: A node-local copy whose last reader is gone ends with this reason.
+COPY_UNUSED = "its node-local copy has no reader left"
+
+ReadMode = Literal["release", "detach", "hold", "claim"]
+
+
+class Buffer(Protocol):
+    """A range of a pool's memory (``memory.pool.Placement`` in the agent)."""
+
+    @property
+    def key(self) -> tuple[str, int]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSlot:
+    """A slot staged in a caller's region: no copy; an in-flight anchor held while it lives."""
+
+    region: Any
+    anchor: Any
+    offset: int
+
+
+@dataclass(slots=True)
+class Pending:
+    """A producer's reservation between reserve and commit (or a PinnedWriter's buffer)."""
+
+    buffer: Buffer | None
+    kind: SlotKind
+    pinned: bool
+    pid: int
+    slot_id: int
+    fills: int = 0  # fetches writing into it now (a PinnedWriter destination)
+    abort_when_idle: bool = False
+
+
+@dataclass(slots=True)
+class Effects:
+    """What the caller performs, outside the lock, after a call.
+
+    ``free``: (buffer, pinned) pairs to give back to the pinned or plain pool, in order.
+    ``anchors``: region in-flight anchors to release. ``poke``: a deadline may have moved:
+    let the timer look again.
+    """
+
+    free: list[tuple[Buffer, bool]] = field(default_factory=list)
+    anchors: list[Any] = field(default_factory=list)
+    poke: bool = False
+
+
+@dataclass(slots=True)
+class Reaped:
+    """What the death of processes leaves the caller to do: give back ``unclaim`` (one
+    entry per claim) to the handles' owners, and wake whoever waits for the commit of
+    ``never_committed`` slots."""
+
+    unclaim: list[DataHandle] = field(default_factory=list)
+    never_committed: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """One chunk to serve: ``[start, start + length)`` of ``slot``'s bytes.
+
+    ``view``: a pool slot: hand out a view (the grace protects it). Otherwise a region slot:
+    copy under its copy gate, then :meth:`OwnerState.end_read`.
+    """
+
+    slot: Slot
+    start: int
+    length: int
+    view: bool
+
+
+class OwnerState:
+    """One agent's slots and buffers (see the module docstring). Not thread-safe: the agent
+    holds one lock around every call."""
+
+    def __init__(self, worker_id: int, node: str = "", *, pull_grace_s: float = PULL_GRACE_S):
+        self.store = SlotStore(worker_id, node=node)
+        self.node = node
+        self.pull_grace_s = pull_grace_s
+        self.holders: dict[tuple[str, int], str] = {}
+        self.quarantined: list[tuple[Buffer, bool]] = []
+        self._reservations: dict[int, Pending] = {}
+        self._reservation_ids = itertools.count(1)
+        self._reading: Counter[int] = Counter()
+        self._parked: dict[int, list[FreedSlot]] = {}
+        self._pulled_at: dict[int, float] = {}
+        self._grace: list[tuple[float, FreedSlot]] = []
+        self._fetches: dict[int, tuple[Buffer, bool]] = {}
+        self._fetch_ids = itertools.count(1)
+        self._copies: dict[DataHandle, int] = {}  # remote handle -> local copy slot id
+        self._copy_of: dict[int, DataHandle] = {}
+        self._claims: dict[int, Counter[DataHandle]] = {}  # pid -> claims it holds
+
+    # --- the ledger ------------------------------------------------------------------
+
+    def _hold(self, buffer: Buffer, holder: str) -> None:
+        key = buffer.key
+        if key in self.holders:
+            raise AssertionError(f"buffer {key} handed to {holder}, already {self.holders[key]}")
+        self.holders[key] = holder
+
+    def _move(self, buffer: Buffer, source: str, target: str) -> None:
+        current = self.holders.get(buffer.key)
+        if current != source:
+            raise AssertionError(f"buffer {buffer.key} moved from {source}, held by {current}")
+        self.holders[buffer.key] = target
+
+    def _give_back(self, buffer: Buffer, source: str, pinned: bool, fx: Effects) -> None:
+        current = self.holders.get(buffer.key)
+        if current != source:
+            raise AssertionError(
+                f"buffer {buffer.key} given back by {source}, held by {current} (double free?)"
+            )
+        del self.holders[buffer.key]
+        fx.free.append((buffer, pinned))
+
+    def holder_of(self, buffer: Buffer) -> str | None:
+        """Who holds ``buffer`` now (None: its pool)."""
+        return self.holders.get(buffer.key)
+
+    # --- producers -------------------------------------------------------------------
+
+    def reserve(
+        self, buffer: Buffer | None, kind: SlotKind, pinned: bool, pid: int
+    ) -> tuple[int, Pending]:
+        """Hold ``buffer`` for a producer (pid) until it commits or aborts. Returns the
+        reservation id and record (whose ``slot_id`` the handle will have)."""
+        rid = next(self._reservation_ids)
+        pending = Pending(buffer, kind, pinned, pid, self.store.reserve_slot_id())
+        if buffer is not None:
+            self._hold(buffer, f"reservation:{rid}")
+        self._reservations[rid] = pending
+        return rid, pending
+
+    def reservation(self, rid: int) -> Pending | None:
+        return self._reservations.get(rid)
+
+    def commit(
+        self,
+        rid: int,
+        nbytes: int,
+        type_header: TypeHeader,
+        ttl: float | None,
+        refcount: int,
+        now: float,
+        fx: Effects,
+    ) -> DataHandle:
+        """Turn reservation ``rid`` into a slot. Raises StagingError if it is gone; a
+        failure to stage gives its buffer back (in ``fx``) before raising."""
+        pending = self._reservations.pop(rid, None)
+        if pending is None:
+            raise StagingError(f"reservation {rid} is unknown or was reaped")
+        try:
+            handle = self.store.stage(
+                nbytes,
+                type_header,
+                pending.buffer,
+                kind=pending.kind,
+                pinned=pending.pinned,
+                now=now,
+                ttl=ttl,
+                refcount=refcount,
+                slot_id=pending.slot_id,
+            )
+        except Exception as exc:
+            self.store.forget_reserved(pending.slot_id, f"staging it failed: {exc}")
+            if pending.buffer is not None:
+                self._give_back(pending.buffer, f"reservation:{rid}", pending.pinned, fx)
+            raise
+        if pending.buffer is not None:
+            self._move(pending.buffer, f"reservation:{rid}", f"slot:{pending.slot_id}")
+        fx.poke = fx.poke or ttl is not None
+        return handle
+
+    def abort(self, rid: int, why: str, fx: Effects) -> int | None:
+        """Give reservation ``rid``'s buffer back (a failed put, a closed PinnedWriter); a
+        PinnedWriter that a fetch is filling goes when that fetch ends. Returns the slot id
+        that will never be staged (for those waiting on its commit), or None."""
+        pending = self._reservations.get(rid)
+        if pending is None:
+            return None
+        if pending.fills:
+            pending.abort_when_idle = True
+            return None
+        del self._reservations[rid]
+        self.store.forget_reserved(pending.slot_id, why)
+        if pending.buffer is not None:
+            self._give_back(pending.buffer, f"reservation:{rid}", pending.pinned, fx)
+        return pending.slot_id
+
+    def fill_begin(self, rid: int) -> Pending:
+        """A fetch is about to write into PinnedWriter ``rid``: its buffer stays until the
+        fetch ends. Raises StagingError if the writer is gone."""
+        pending = self._reservations.get(rid)
+        if pending is None or pending.buffer is None or pending.abort_when_idle:
+            raise StagingError(f"PinnedWriter reservation {rid} is gone")
+        pending.fills += 1
+        return pending
+
+    def fill_end(self, rid: int, fx: Effects) -> None:
+        """A fetch stopped writing into PinnedWriter ``rid``."""
+        pending = self._reservations.get(rid)
+        if pending is None:
+            return
+        pending.fills -= 1
+        if pending.fills == 0 and pending.abort_when_idle:
+            self.abort(rid, "its producer aborted staging it", fx)
+
+    def fill_withdraw(self, rid: int) -> None:
+        """A timed-out GET may still write PinnedWriter ``rid``: its buffer goes to the
+        quarantine and the writer is gone."""
+        pending = self._reservations.pop(rid, None)
+        if pending is None or pending.buffer is None:
+            return
+        self.store.forget_reserved(pending.slot_id, "a timed-out GET may still write it")
+        self._move(pending.buffer, f"reservation:{rid}", "quarantine")
+        self.quarantined.append((pending.buffer, pending.pinned))
+
+    # --- fetch destinations ----------------------------------------------------------
+
+    def fetch_take(self, buffer: Buffer, pinned: bool) -> int:
+        """A fetch (or a region copy) now owns ``buffer``. Returns its fetch id."""
+        fid = next(self._fetch_ids)
+        self._hold(buffer, f"fetch:{fid}")
+        self._fetches[fid] = (buffer, pinned)
+        return fid
+
+    def fetch_give_back(self, fid: int, fx: Effects) -> None:
+        """The fetch failed or moved elsewhere: its buffer goes back to its pool."""
+        buffer, pinned = self._fetches.pop(fid)
+        self._give_back(buffer, f"fetch:{fid}", pinned, fx)
+
+    def fetch_quarantine(self, fid: int) -> None:
+        """A timed-out GET may still write the fetch's buffer: it never goes back."""
+        buffer, pinned = self._fetches.pop(fid)
+        self._move(buffer, f"fetch:{fid}", "quarantine")
+        self.quarantined.append((buffer, pinned))
+
+    def fetch_stage(
+        self,
+        fid: int,
+        total_len: int,
+        type_header: TypeHeader,
+        kind: SlotKind,
+        now: float,
+        *,
+        copy_of: DataHandle | None = None,
+    ) -> Slot:
+        """The fetch's buffer becomes a local slot (refcount 1). ``copy_of``: it is the
+        node-local copy of that remote handle, found again by :meth:`copy_for`."""
+        buffer, pinned = self._fetches.pop(fid)
+        handle = self.store.stage(total_len, type_header, buffer, kind=kind, pinned=pinned, now=now)
+        self._move(buffer, f"fetch:{fid}", f"slot:{handle.slot_id}")
+        if copy_of is not None:
+            old = self._copies.get(copy_of)
+            if old is not None:
+                self._copy_of.pop(old, None)
+            self._copies[copy_of] = handle.slot_id
+            self._copy_of[handle.slot_id] = copy_of
+        return self.store.held(handle)
+
+    def stage_empty(self, type_header: TypeHeader, now: float) -> Slot:
+        """A local slot of zero bytes (a fetched empty payload)."""
+        handle = self.store.stage(0, type_header, None, kind="empty", pinned=False, now=now)
+        return self.store.held(handle)
+
+    # --- node-local copies -----------------------------------------------------------
+
+    def copy_for(self, remote: DataHandle) -> Slot | None:
+        """The live node-local copy of ``remote``, if any."""
+        slot_id = self._copies.get(remote)
+        if slot_id is None:
+            return None
+        try:
+            return self.store.slot(DataHandle(self.store.worker_id, slot_id))
+        except HandleNotFound:
+            return None
+
+    # --- readers (local leases) ------------------------------------------------------
+
+    def local_acquire(
+        self, handle: DataHandle, pid: int, mode: ReadMode, now: float
+    ) -> tuple[Slot, Lease]:
+        """A local lease for process ``pid`` reading ``handle`` in place.
+
+        ``release``: the reader consumes a reference now (a claimed one: refused with
+        HandleReleased when all are claimed), so the handle may end while the view lives.
+        ``claim``: the reader claims one, consumed or given back later (:meth:`claim_end`).
+        ``detach`` / ``hold``: no reference changes hands.
+        """
+        claim = mode in ("release", "claim")
+        lease = self.store.acquire(handle, now, kind="local", holder_pid=pid, claim=claim)
+        slot = self.store.held(handle)
+        if mode == "release":
+            self.store.release(handle, 0, claim=True)  # the lease keeps the bytes
+        elif mode == "claim":
+            self.claim_held(pid, handle)
+        return slot, lease
+
+    def lease_end(
+        self,
+        handle: DataHandle,
+        lease_id: int,
+        release: bool,
+        now: float,
+        fx: Effects,
+        *,
+        claim: bool = False,
+    ) -> None:
+        """End a lease (``lease_id`` 0: none): ``release`` also drops one reference (with
+        ``claim``: a claimed one); a detach with ``claim`` gives a claim back. On a node-local
+        copy, the last reader's end ends the copy."""
+        end = self.store.release if release else self.store.detach
+        freed = end(handle, lease_id, claim=claim)
+        self._bytes_end(freed, now, fx)
+        if freed is None and lease_id and handle.slot_id in self._copy_of:
+            slot = self.store.held(handle)  # not freed: still held
+            if slot.ended is None and not slot.leases:
+                self._bytes_end(self.store.end(handle, COPY_UNUSED), now, fx)
+
+    # --- claims held by local processes ----------------------------------------------
+
+    def claim_held(self, pid: int, handle: DataHandle) -> None:
+        """Process ``pid`` holds a claim on ``handle`` (whatever node owns it)."""
+        self._claims.setdefault(pid, Counter())[handle] += 1
+
+    def claim_end(self, pid: int, handle: DataHandle) -> bool:
+        """Process ``pid`` consumed or gave back a claim on ``handle``; False if it held
+        none (ended already, e.g. by its death)."""
+        held = self._claims.get(pid)
+        if not held or held[handle] <= 0:
+            return False
+        held[handle] -= 1
+        if held[handle] == 0:
+            del held[handle]
+        if not held:
+            del self._claims[pid]
+        return True
+
+    def claim_pids(self) -> set[int]:
+        return set(self._claims)
+
+    # --- owner handlers --------------------------------------------------------------
+
+    def pull(self, transfer_id: int, index: int, chunk_size: int, now: float) -> PullPlan:
+        """Chunk ``index`` of chunked transfer ``transfer_id`` (renews its lease). A region
+        slot's chunk is a read in progress until :meth:`end_read`.
+
+        Raises:
+            LeaseNotFound: the transfer's lease is gone.
+            ProtocolError: ``index`` is outside the payload.
+        """
+        slot = self.store.pull(transfer_id, now)
+        start = index * chunk_size
+        if index < 0 or start >= max(slot.total_len, 1):
+            raise ProtocolError(
+                f"chunk {index} is outside transfer {transfer_id} "
+                f"({slot.total_len} bytes in chunks of {chunk_size})"
+            )
+        length = min(chunk_size, slot.total_len - start)
+        if isinstance(slot.location, RegionSlot) or slot.location is None:
+            self._reading[slot.slot_id] += 1
+            return PullPlan(slot, start, length, view=False)
+        self._pulled_at[slot.slot_id] = now
+        return PullPlan(slot, start, length, view=True)
+
+    def supersede(self, node: str, worker: int, now: float, fx: Effects) -> int:
+        """A consumer agent's new incarnation on ``node`` acquires: end the old one's
+        leases (see :meth:`SlotStore.supersede`). Returns the RDMA leases ended."""
+        freed, rdma = self.store.supersede(node, worker)
+        for item in freed:
+            self._bytes_end(item, now, fx)
+        return rdma
+
+    def begin_read(self, slot_id: int) -> None:
+        """A copy out of slot ``slot_id`` starts: its bytes stay until :meth:`end_read`."""
+        self._reading[slot_id] += 1
+
+    def end_read(self, slot_id: int, now: float, fx: Effects) -> None:
+        """A copy out of slot ``slot_id`` ended: bytes freed meanwhile may go now."""
+        self._reading[slot_id] -= 1
+        if self._reading[slot_id] > 0:
+            return
+        del self._reading[slot_id]
+        for freed in self._parked.pop(slot_id, []):
+            self._move_out(freed, f"parked:{slot_id}", now, fx)
+
+    # --- timers and liveness ---------------------------------------------------------
+
+    def sweep(self, now: float, fx: Effects) -> SweepResult:
+        """Expire TTLs and deadlines, and end the pull graces that are due."""
+        result = self.store.sweep(now)
+        for freed in result.freed:
+            self._bytes_end(freed, now, fx)
+        due = [(d, f) for d, f in self._grace if d <= now]
+        self._grace = [(d, f) for d, f in self._grace if d > now]
+        for _, freed in due:
+            self._move_out(freed, f"grace:{freed.slot_id}", now, fx)
+        return result
+
+    def next_due(self) -> float | None:
+        """The earliest deadline, TTL or grace end, or None."""
+        due = [d for d, _ in self._grace]
+        store_due = self.store.next_deadline()
+        if store_due is not None:
+            due.append(store_due)
+        return min(due, default=None)
+
+    def watched_pids(self) -> set[int]:
+        """Processes whose death the agent must notice: local readers, producers, claimers."""
+        pids = self.store.holder_pids() | {p.pid for p in self._reservations.values()}
+        return (pids | set(self._claims)) - {0}
+
+    def reap(self, dead: Iterable[int], now: float, fx: Effects) -> Reaped:
+        """Processes ``dead`` died: end their local leases, abort their reservations, drop
+        their claims (see :class:`Reaped` for what the caller does next)."""
+        dead = set(dead)
+        for freed in self.store.reap_holders(dead):
+            self._bytes_end(freed, now, fx)
+        reaped = Reaped()
+        for rid, pending in list(self._reservations.items()):
+            if pending.pid in dead:
+                slot_id = self.abort(rid, "its producer died while staging it", fx)
+                if slot_id is not None:
+                    reaped.never_committed.append(slot_id)
+        for pid in dead & set(self._claims):
+            for handle, count in self._claims.pop(pid).items():
+                reaped.unclaim += [handle] * count
+        return reaped
+
+    @property
+    def reservations(self) -> int:
+        return len(self._reservations)
+
+    @property
+    def copies(self) -> int:
+        return len(self._copies)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer, _ in self.quarantined)
+
+    # --- ends ------------------------------------------------------------------------
+
+    def evict(self, handle: DataHandle, why: str, now: float, fx: Effects) -> None:
+        """End ``handle`` and every lease on it now (its memory went away)."""
+        self._bytes_end(self.store.evict(handle, why), now, fx)
+
+    def clear(self, now: float, fx: Effects) -> int:
+        """Shutdown: end every slot and give back every buffer but the quarantined ones
+        (their pool's close unmaps them). Returns the slots freed."""
+        freed = self.store.clear()
+        self._reading.clear()
+        self._pulled_at.clear()
+        for item in freed:
+            self._bytes_end(item, now, fx)
+        for slot_id, parked in list(self._parked.items()):
+            for item in parked:
+                self._move_out(item, f"parked:{slot_id}", now, fx)
+        self._parked.clear()
+        for _, item in self._grace:
+            self._move_out(item, f"grace:{item.slot_id}", now, fx)
+        self._grace.clear()
+        for rid, pending in list(self._reservations.items()):
+            pending.fills = 0
+            self.abort(rid, "its owner shut down", fx)
+        for fid in list(self._fetches):
+            self.fetch_give_back(fid, fx)
+        self._claims.clear()
+        return len(freed)
+
+    def _bytes_end(self, freed: FreedSlot | None, now: float, fx: Effects) -> None:
+        """A slot's bytes may go: after the copies out of it, and the pull grace if it was
+        abandoned right after a chunk went out."""
+        if freed is None:
+            return
+        slot_id = freed.slot_id
+        remote = self._copy_of.pop(slot_id, None)
+        if remote is not None and self._copies.get(remote) == slot_id:
+            del self._copies[remote]
+        buffer = freed.location if _is_buffer(freed.location) else None
+        if self._reading[slot_id] > 0:
+            if buffer is not None:
+                self._move(buffer, f"slot:{slot_id}", f"parked:{slot_id}")
+            self._parked.setdefault(slot_id, []).append(freed)
+            return
+        self._reading.pop(slot_id, None)
+        pulled = self._pulled_at.pop(slot_id, None)
+        recent = pulled is not None and now < pulled + self.pull_grace_s
+        if buffer is not None and freed.abandoned and recent:
+            assert pulled is not None
+            self._move(buffer, f"slot:{slot_id}", f"grace:{slot_id}")
+            self._grace.append((pulled + self.pull_grace_s, freed))
+            fx.poke = True
+            return
+        self._move_out(freed, f"slot:{slot_id}", now, fx)
+
+    def _move_out(self, freed: FreedSlot, holder: str, now: float, fx: Effects) -> None:
+        location = freed.location
+        if _is_buffer(location):
+            self._give_back(location, holder, freed.pinned, fx)
+        elif isinstance(location, RegionSlot):
+            fx.anchors.append(location.anchor)
+
+    # --- invariants ------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Check every invariant; tests call it after each step.
+
+        The store's own; then the ledger: rebuilt from slots, reservations, fetches, parked
+        and graced slots and the quarantine, it must equal ``holders`` exactly (every buffer
+        has one holder, none is lost or held twice). Reads in progress are positive; a
+        node-local copy is a held slot.
+
+        Raises:
+            AssertionError: an invariant is broken; the message names it.
+        """
+        self.store.validate()
+        expected: dict[tuple[str, int], str] = {}
+
+        def add(location: Any, holder: str) -> None:
+            if not _is_buffer(location):
+                return
+            key = location.key
+            if key in expected:
+                raise AssertionError(f"buffer {key} held by {expected[key]} and {holder}")
+            expected[key] = holder
+
+        for slot in self.store.slots():
+            add(slot.location, f"slot:{slot.slot_id}")
+        for rid, pending in self._reservations.items():
+            add(pending.buffer, f"reservation:{rid}")
+            if pending.fills < 0:
+                raise AssertionError(f"reservation {rid} has {pending.fills} fills")
+        for fid, (buffer, _) in self._fetches.items():
+            add(buffer, f"fetch:{fid}")
+        for slot_id, parked in self._parked.items():
+            for freed in parked:
+                add(freed.location, f"parked:{slot_id}")
+        for _, freed in self._grace:
+            add(freed.location, f"grace:{freed.slot_id}")
+        for buffer, _ in self.quarantined:
+            add(buffer, "quarantine")
+        if expected != self.holders:
+            missing = {k: v for k, v in expected.items() if self.holders.get(k) != v}
+            extra = {k: v for k, v in self.holders.items() if expected.get(k) != v}
+            raise AssertionError(f"ledger disagrees: expected {missing}, recorded {extra}")
+        for slot_id, count in self._reading.items():
+            if count <= 0:
+                raise AssertionError(f"slot {slot_id} has {count} reads in progress")
+        for remote, slot_id in self._copies.items():
+            if self._copy_of.get(slot_id) != remote:
+                raise AssertionError(f"copy index of {remote} disagrees")
+
+
+def _is_buffer(location: Any) -> bool:
+    return (
+        location is not None and not isinstance(location, RegionSlot) and hasattr(location, "key")
+    )

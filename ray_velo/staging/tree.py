@@ -1,0 +1,96 @@
+"""Staged values and the one walk over a call's arguments and results.
+
+A payload above the threshold travels as a :class:`StagedValue` in place of the value (the
+spec's ``_rv`` and ``_rv_budget_ms``); :func:`walk` visits every leaf of the containers Ray
+calls carry (lists, tuples, namedtuples, dicts) and rebuilds them with each leaf replaced.
+Staging, resolving and discarding are that one walk with a different leaf function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ray_velo.errors import ConfigError
+from ray_velo.protocol import DataHandle
+
+__all__ = ["StagedValue", "TransferOptions", "visit", "walk"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOptions:
+    """Options of one decorated function, method or actor class.
+
+    Attributes:
+        threshold_bytes: payloads strictly above this are staged (bytes); None (the
+            default) takes the cluster's ``VeloConfig.threshold_bytes`` (256 KiB).
+        consumers: how many resolutions one staged value allows (fan-out).
+        ttl: seconds after which a staged value's handle ends whatever happens; None: no
+            TTL unless ``fetch_timeout`` is set, which then serves as the TTL.
+        fetch_timeout: the caller's budget (s) for each receiver's fetch.
+        stage_returns: stage large results (and yielded items) too.
+    """
+
+    threshold_bytes: int | None = None
+    consumers: int = 1
+    ttl: float | None = None
+    fetch_timeout: float | None = None
+    stage_returns: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threshold_bytes is not None and (
+            not isinstance(self.threshold_bytes, int) or self.threshold_bytes < 0
+        ):
+            raise ConfigError(
+                field="threshold_bytes", value=self.threshold_bytes, rule="must be an int >= 0"
+            )
+        if not isinstance(self.consumers, int) or self.consumers < 1:
+            raise ConfigError(field="consumers", value=self.consumers, rule="must be >= 1")
+        for name in ("ttl", "fetch_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(field=name, value=value, rule="must be None or > 0 seconds")
+
+    @property
+    def effective_ttl(self) -> float | None:
+        if self.ttl is not None:
+            return self.ttl
+        return self.fetch_timeout
+
+
+@dataclass(frozen=True, slots=True)
+class StagedValue:
+    """A payload staged on its sender's node, travelling in place of the value.
+
+    ``budget_s`` is the sender's ``fetch_timeout`` for this send (the spec's
+    ``_rv_budget_ms``: a decorated call's budget starts when it is sent, so all of it is
+    left); the receiver starts that bound when it resolves.
+    """
+
+    handle: DataHandle
+    nbytes: int
+    consumers: int = 1
+    budget_s: float | None = None
+
+    def __repr__(self) -> str:
+        return f"StagedValue({self.handle}, {self.nbytes} bytes)"
+
+
+def walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` rebuilt with ``leaf(x)`` in place of every ``x`` that is not a list, tuple
+    (a namedtuple keeps its type) or dict."""
+    if isinstance(value, list):
+        return [walk(v, leaf) for v in value]
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(walk(v, leaf) for v in value))
+    if isinstance(value, tuple):
+        return tuple(walk(v, leaf) for v in value)
+    if isinstance(value, dict):
+        return {k: walk(v, leaf) for k, v in value.items()}
+    return leaf(value)
+
+
+def visit(value: Any, leaf: Callable[[Any], object]) -> None:
+    """Call ``leaf`` on every leaf of ``value`` (see :func:`walk`) for its effect."""
+    walk(value, leaf)
