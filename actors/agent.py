@@ -22,12 +22,14 @@ import dataclasses
 import logging
 import os
 import secrets
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ray_velo import metrics
 from ray_velo.actors.ticker import Ticker
 from ray_velo.config import VeloConfig
-from ray_velo.consumer.peers import PeerDirectory
+from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
 from ray_velo.core import AgentCore
 from ray_velo.errors import VeloError
@@ -48,6 +50,7 @@ _log = logging.getLogger(__name__)
 
 #: How often the agent checks that the processes it serves are still alive, while any are.
 LIVENESS_INTERVAL_S = 1.0
+_START_UCX: Any = object()  # the default of RendezvousAgent(rdma=...): start UCX if it loads
 _FAULTS = ("corrupt_descriptors", "stall_before_get_s", "fail_gets", "answer_rdma_without_offer")
 
 
@@ -91,17 +94,30 @@ def _node_of_worker(worker_id: int) -> str | None:
 class RendezvousAgent:
     """Owner and node-local consumer of staged payloads (see the module docstring)."""
 
-    def __init__(self, config: VeloConfig, node_id: str, *, worker_id: int | None = None) -> None:
+    def __init__(
+        self,
+        config: VeloConfig,
+        node_id: str,
+        *,
+        worker_id: int | None = None,
+        rdma: Any = _START_UCX,
+        peers: Peers | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        timer: bool = True,
+    ) -> None:
+        """An agent for ``node_id``. The keyword arguments are for ``ray_velo.testing``: an
+        RDMA backend in place of UCX (None: none), a peer directory, a clock, and no timer
+        thread (the test calls :meth:`tick`)."""
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
         rdma_enabled = config.rdma.rendezvous.enabled and not kill_switch_engaged(os.environ)
         agent_metrics = metrics.AgentMetrics(node_id)
-        rdma = _start_rdma(config)
-        memory = NodeMemory(
-            config, worker_id, None if rdma is None else rdma.registrar, agent_metrics
-        )
+        if rdma is _START_UCX:
+            rdma = _start_rdma(config)
+        registrar = None if rdma is None else rdma.registrar
+        memory = NodeMemory(config, worker_id, registrar, agent_metrics)
         core = AgentCore(
             config, node_id, worker_id, OwnerState(worker_id, node_id), memory,
-            agent_metrics, rdma, rdma_enabled,
+            agent_metrics, rdma, rdma_enabled, clock=clock,
         )  # fmt: skip
         self.core = core
         self.config, self.node_id, self.worker_id = config, node_id, worker_id
@@ -110,9 +126,11 @@ class RendezvousAgent:
         self.readers = ReaderService(core)
         self.regions = RegionService(core)
         self.peers = PeerDirectory(rdma, _find_agent, _node_of_worker, node_id)
-        self.consumer = ConsumerService(core, self.peers, self.owner)
-        self._ticker = Ticker(self._tick, name=f"ray_velo-agent-{worker_id:016x}")
-        core.poke = self._ticker.poke
+        self.consumer = ConsumerService(core, peers or self.peers, self.owner)
+        self._ticker: Ticker | None = None
+        if timer:
+            self._ticker = Ticker(self.tick, name=f"ray_velo-agent-{worker_id:016x}", clock=clock)
+            core.poke = self._ticker.poke
 
     # --- introspection ---------------------------------------------------------------
 
@@ -255,7 +273,7 @@ class RendezvousAgent:
 
     # --- the timer -------------------------------------------------------------------
 
-    def _tick(self, now: float) -> float | None:
+    def tick(self, now: float) -> float | None:
         """Sweep deadlines, reap what dead processes left, reclaim arenas; say when next."""
         core = self.core
         if core.closed:
@@ -293,7 +311,8 @@ class RendezvousAgent:
                 return {"slots": 0}
             core.state.store.begin_drain()
             core.closed = True
-        self._ticker.stop()
+        if self._ticker is not None:
+            self._ticker.stop()
         # Fetches in flight finish (or fail) before their memory and UCX go away.
         bound = core.config.rdma.shutdown_timeout or 30.0
         if not self.consumer.wait_idle(bound):

@@ -310,9 +310,8 @@ class OwnerState:
         handle = self.store.stage(total_len, type_header, buffer, kind=kind, pinned=pinned, now=now)
         self._move(buffer, f"fetch:{fid}", f"slot:{handle.slot_id}")
         if copy_of is not None:
-            old = self._copies.get(copy_of)
-            if old is not None:
-                self._copy_of.pop(old, None)
+            # A copy that two fetches made at once: the newest serves later fetches; every
+            # copy still ends with its own last reader.
             self._copies[copy_of] = handle.slot_id
             self._copy_of[handle.slot_id] = copy_of
         return self.store.held(handle)

@@ -1,0 +1,155 @@
+"""A clock you move by hand, and an RDMA backend that "GETs" with ``memmove``."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from typing import Any
+
+from ray_velo.errors import DescriptorError, UcxError
+from ray_velo.memory.pool import NoopRegistrar, Registration
+from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
+from ray_velo.ucx.status import UcsStatus
+
+__all__ = ["FakeClock", "FakeRdma"]
+
+
+class FakeClock:
+    """Seconds that pass only when told to. Callable, like ``time.monotonic``."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> float:
+        """Move time ``seconds`` forward; returns the new time."""
+        if seconds < 0:
+            raise ValueError(f"time does not go back ({seconds} s)")
+        with self._lock:
+            self._now += seconds
+            return self._now
+
+
+class FakeRdma:
+    """The agent's RDMA registry without UCX, for agents in one process.
+
+    Registrations are bookkeeping (:class:`~ray_velo.memory.pool.NoopRegistrar`); a
+    descriptor names the owner's address; a GET copies from that address in this process.
+    Faults, each for the next N GETs: ``fail_gets`` (the transport fails: ``get_failed``),
+    ``unsafe_gets`` (it fails and UCX may still write the destination), ``stalled_gets``
+    (it runs past the fetch's deadline, moving ``clock`` on by ``stall_s``, and may still
+    write the destination: the quarantine case).
+    """
+
+    backend = "ucx"
+
+    def __init__(self, clock: FakeClock | None = None, stall_s: float = 3600.0) -> None:
+        self.registrar = NoopRegistrar()
+        self.address = b"fake-ucx-worker-address"
+        self.clock = clock
+        self.stall_s = stall_s
+        self.fail_gets = 0
+        self.unsafe_gets = 0
+        self.stalled_gets = 0
+        self.gets = 0
+        self.endpoints_reaped = 0
+        self._peers: dict[str, int] = {}
+        self._generation = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # --- peers -----------------------------------------------------------------------
+
+    def register_peer(self, node: str, worker_id: int, address: bytes) -> None:
+        with self._lock:
+            self._peers[node] = worker_id
+
+    def peer_registered(self, node: str, worker_id: int | None = None) -> bool:
+        with self._lock:
+            known = self._peers.get(node)
+        return known is not None and (worker_id is None or known == worker_id)
+
+    # --- owner side --------------------------------------------------------------------
+
+    def descriptor(
+        self, registration: Registration | None, address: int, nbytes: int
+    ) -> bytes | None:
+        if registration is None or nbytes <= 0:
+            return None
+        start, end = registration.effective_range
+        if not (start <= address and address + nbytes <= end):
+            return None
+        return RdmaDescriptor(
+            generation=next(self._generation),
+            addr=address,
+            length=nbytes,
+            rkey=b"fake-rkey",
+            backend=BACKEND_UCX,
+        ).encode()
+
+    # --- consumer side -----------------------------------------------------------------
+
+    @staticmethod
+    def decode(blob: bytes, expected_len: int) -> RdmaDescriptor:
+        descriptor = RdmaDescriptor.decode(blob)
+        if descriptor.length != expected_len:
+            raise DescriptorError(
+                reason=f"descriptor length {descriptor.length} != total_len {expected_len}"
+            )
+        return descriptor
+
+    def _take(self, name: str) -> bool:
+        with self._lock:
+            left = getattr(self, name)
+            if left <= 0:
+                return False
+            setattr(self, name, left - 1)
+            return True
+
+    def get(
+        self,
+        node: str,
+        descriptor: RdmaDescriptor,
+        dest_address: int,
+        timeout_s: float,
+        local_registration: Any = None,
+    ) -> None:
+        """Copy the descriptor's bytes to ``dest_address``, unless a fault says otherwise."""
+        self.gets += 1
+        if self._take("fail_gets"):
+            raise _failed("injected transport failure", unsafe=False)
+        if self._take("unsafe_gets"):
+            raise _failed("injected failure; the destination may still be written", unsafe=True)
+        if self._take("stalled_gets"):
+            if self.clock is not None:
+                self.clock.advance(self.stall_s)
+            raise _failed("injected stall past the deadline", unsafe=True)
+        ctypes.memmove(dest_address, descriptor.addr, descriptor.length)
+
+    # --- what an agent asks of its backend otherwise -----------------------------------
+
+    def endpoint_count(self) -> int:
+        return len(self._peers)
+
+    def transports(self) -> dict[str, list[str]]:
+        return {node: ["fake/memmove"] for node in self._peers}
+
+    def reap_idle_endpoints(self, now: float) -> int:
+        return 0
+
+    def next_reap_due(self, now: float) -> float | None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _failed(why: str, *, unsafe: bool) -> UcxError:
+    status = int(UcsStatus.ERR_TIMED_OUT)
+    return UcxError(
+        operation="ucp_get_nbx", status=status, status_text=why, destination_unsafe=unsafe
+    )

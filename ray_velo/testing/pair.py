@@ -1,0 +1,250 @@
+"""Two real agents in one process, an owner and a consumer, joined by in-process links."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from ray_velo.actors.agent import RendezvousAgent
+from ray_velo.config import RdmaConfig, RdmaPoolConfig, RdmaRendezvousConfig, VeloConfig
+from ray_velo.consumer.deadline import Deadline
+from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
+from ray_velo.local.records import LocalLease
+from ray_velo.memory.arena import SegmentMap
+from ray_velo.payload import as_bytes_view
+from ray_velo.protocol import DataHandle, PullRequest, Ready, encode
+from ray_velo.testing.fakes import FakeClock, FakeRdma
+
+__all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]
+
+MiB = 1 << 20
+
+
+class InProcessLink:
+    """An :class:`~ray_velo.consumer.links.OwnerLink` that calls an agent's handlers in
+    this process. ``dead`` makes every call fail as a dead owner's would."""
+
+    def __init__(self, agent: RendezvousAgent) -> None:
+        self.agent = agent
+        self.node = agent.node_id
+        self.dead = False
+        self.sent: list[str] = []  # the fire-and-forget calls, by handler name
+
+    def _check(self, handle: object) -> None:
+        if self.dead:
+            raise OwnerDied(handle=str(handle), node=self.node)
+
+    def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+        self._check(handle)
+        return self.agent.owner.handle(method, message)
+
+    def send(self, method: str, message: bytes) -> None:
+        self.sent.append(method)
+        if self.dead:
+            return
+        try:
+            self.agent.owner.handle(method, message)
+        except VeloError:
+            return
+
+    def pull(
+        self,
+        answer: Ready,
+        dest: memoryview,
+        in_flight: int,
+        deadline: Deadline,
+        handle: DataHandle,
+    ) -> None:
+        from ray_velo.consumer.links import check_chunk
+
+        target = np.frombuffer(dest, dtype=np.uint8, count=answer.total_len)
+        for index in range(answer.chunk_count):
+            self._check(handle)
+            if deadline.expired():
+                raise deadline.timeout_error(handle)
+            chunk = self.agent.owner._rv_pull(encode(PullRequest(answer.transfer_id, index)))
+            start = check_chunk(chunk, index, answer, handle)
+            np.copyto(target[start : start + len(chunk)], chunk)
+
+    def ucx_address(self, deadline: Deadline) -> tuple[int, bytes | None]:
+        self._check("?")
+        rdma = self.agent.core.rdma
+        return self.agent.worker_id, None if rdma is None else rdma.address
+
+
+class InProcessPeers:
+    """A consumer's directory holding one in-process owner."""
+
+    def __init__(self, consumer_rdma: FakeRdma | None, link: InProcessLink) -> None:
+        self.rdma = consumer_rdma
+        self.owner_link = link
+
+    def link(self, handle: DataHandle) -> InProcessLink:
+        if handle.worker_id != self.owner_link.agent.worker_id:
+            raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
+        return self.owner_link
+
+    def forget(self, link: Any) -> bool:
+        return False
+
+    def registered(self, node: str, worker_id: int) -> bool:
+        return self.rdma is not None and self.rdma.peer_registered(node, worker_id)
+
+    def learn(self, link: Any, worker_id: int, deadline: Deadline) -> None:
+        if self.rdma is None:
+            return
+        peer, address = link.ucx_address(deadline)
+        if address:
+            self.rdma.register_peer(link.node, peer, address)
+
+
+class AgentPair:
+    """An owner agent ("node-a") and a consumer agent ("node-b") in this process.
+
+    Args:
+        shm_dir: where both agents' segments go (a test's temporary directory).
+        config: the agents' configuration (default: small arenas and chunks, 2 s leases).
+        rdma: False gives both agents no RDMA backend (the chunked path only).
+        registered: whether the consumer already knows the owner's UCX address (False: the
+            cold start, whose first fetch is chunked).
+        consumer_config: the consumer's own configuration (default: ``config``).
+    """
+
+    def __init__(
+        self,
+        shm_dir: str | os.PathLike[str],
+        config: VeloConfig | None = None,
+        *,
+        rdma: bool = True,
+        registered: bool = True,
+        consumer_config: VeloConfig | None = None,
+    ) -> None:
+        Path(shm_dir).mkdir(parents=True, exist_ok=True)
+        self.config = (config or default_config()).replace(shm_dir=os.fspath(shm_dir))
+        self.consumer_config = (consumer_config or self.config).replace(shm_dir=os.fspath(shm_dir))
+        self.clock = FakeClock(1000.0)
+        self.owner_rdma = FakeRdma(self.clock) if rdma else None
+        self.consumer_rdma = FakeRdma(self.clock) if rdma else None
+        self.owner = RendezvousAgent(
+            self.config, "node-a", rdma=self.owner_rdma, clock=self.clock, timer=False
+        )
+        self.link = InProcessLink(self.owner)
+        self.peers = InProcessPeers(self.consumer_rdma, self.link)
+        self.consumer = RendezvousAgent(
+            self.consumer_config, "node-b", rdma=self.consumer_rdma, peers=self.peers, clock=self.clock,
+            timer=False,
+        )  # fmt: skip
+        if registered and self.consumer_rdma is not None and self.owner_rdma is not None:
+            self.consumer_rdma.register_peer(
+                "node-a", self.owner.worker_id, self.owner_rdma.address
+            )
+        self.segments = SegmentMap()
+        self.pid = os.getpid()
+
+    # --- producing and consuming -----------------------------------------------------
+
+    def put(
+        self,
+        data: Any,
+        *,
+        pinned: bool = True,
+        ttl: float | None = None,
+        consumers: int = 1,
+        on: str = "owner",
+    ) -> DataHandle:
+        """Stage ``data`` on the owner (or the consumer) as ``rv.put`` does."""
+        agent = self.owner if on == "owner" else self.consumer
+        header, view = as_bytes_view(data)
+        reservation = agent.stage_reserve(view.nbytes, pinned, self.pid)
+        if view.nbytes:
+            dest = self.segments.view(reservation.path, reservation.offset, view.nbytes)
+            np.frombuffer(dest, dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)
+            del dest
+        return agent.stage_commit(reservation.reservation_id, view.nbytes, header, ttl, consumers)
+
+    def lease(
+        self, handle: DataHandle, mode: str = "release", timeout: float | None = None
+    ) -> LocalLease:
+        """The consumer's lease on the fetched bytes (the caller ends it with :meth:`end`)."""
+        bound = "caller timeout" if timeout is not None else "unbounded"
+        return self.consumer.fetch_remote(handle, mode, timeout, self.pid, bound)
+
+    def read(self, lease: LocalLease) -> bytes:
+        if not lease.total_len:
+            return b""
+        return bytes(self.segments.view(lease.path, lease.offset, lease.total_len))
+
+    def end(self, lease: LocalLease) -> None:
+        """End a consumer lease as a collected view does."""
+        self.consumer.local_end(lease.handle, lease.lease_id, False)
+
+    def fetch(
+        self, handle: DataHandle, mode: str = "release", timeout: float | None = None
+    ) -> bytes:
+        """Fetch ``handle`` on the consumer, read it, end the lease: the bytes."""
+        lease = self.lease(handle, mode, timeout)
+        try:
+            return self.read(lease)
+        finally:
+            self.end(lease)
+
+    # --- time and state --------------------------------------------------------------
+
+    def tick(self, seconds: float = 0.0) -> None:
+        """Move the clock ``seconds`` on and run both agents' timers."""
+        now = self.clock.advance(seconds)
+        self.owner.tick(now)
+        self.consumer.tick(now)
+
+    def validate(self) -> None:
+        """Both agents' owner states check every invariant (the buffer ledger included)."""
+        for agent in (self.owner, self.consumer):
+            with agent.core.lock:
+                agent.core.state.validate()
+
+    def paths(self, agent: RendezvousAgent) -> dict[str, int]:
+        return dict(agent.core.metrics.snapshot()["velo_rendezvous_rdma_path_total"])
+
+    def owner_paths(self) -> dict[str, int]:
+        return self.paths(self.owner)
+
+    def consumer_paths(self) -> dict[str, int]:
+        return self.paths(self.consumer)
+
+    def close(self) -> None:
+        self.segments.close_all()
+        for agent in (self.consumer, self.owner):
+            agent.shutdown()
+
+    def __enter__(self) -> AgentPair:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def default_config() -> VeloConfig:
+    """Small sizes for fast tests: 1 MiB chunks, 4 MiB first arenas, 2 s RDMA leases."""
+    return VeloConfig(
+        chunk_size=1 * MiB,
+        plain_arena_bytes=4 * MiB,
+        rdma=RdmaConfig(
+            rendezvous=RdmaRendezvousConfig(lease_timeout=2.0),
+            pool=RdmaPoolConfig(
+                initial_arena_bytes=4 * MiB,
+                max_arena_bytes=64 * MiB,
+                dedicated_arena_min=16 * MiB,
+                registered_bytes_budget=256 * MiB,
+                warm_dedicated_bytes=64 * MiB,
+            ),
+        ),
+    )

@@ -1,0 +1,326 @@
+"""Fetch scenarios on an owner/consumer pair of real agents in one process (ray_velo.testing):
+the paths, every fallback reason, leases and TTLs on a fake clock, the quarantine, claims.
+No Ray, no UCX; every scenario ends with both owner states valid and nothing left staged."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ray_velo.config import MiB, RdmaConfig, RdmaPoolConfig
+from ray_velo.errors import (
+    BudgetExceeded,
+    HandleNotFound,
+    HandleReleased,
+    PayloadTooLarge,
+    ProtocolError,
+    SharedMemoryTooSmall,
+    StagingError,
+    TransferTimeout,
+)
+from ray_velo.protocol import (
+    AcquireRequest,
+    RdmaOffer,
+    ReleaseRequest,
+    decode_acquire_response,
+    encode,
+)
+from ray_velo.testing import AgentPair
+from ray_velo.testing.pair import default_config
+
+
+@pytest.fixture()
+def pair(tmp_path: Path) -> Iterator[AgentPair]:
+    with AgentPair(tmp_path / "shm") as p:
+        yield p
+        p.validate()
+
+
+def payload(nbytes: int, seed: int = 1) -> bytes:
+    return ((np.arange(nbytes, dtype=np.uint64) * 31 + seed) % 251).astype(np.uint8).tobytes()
+
+
+def nothing_left(pair: AgentPair) -> None:
+    pair.validate()
+    for agent in (pair.owner, pair.consumer):
+        info = agent.info()
+        assert (info["live_slots"], info["live_leases"], info["reservations"]) == (0, 0, 0)
+
+
+def test_a_pinned_payload_moves_by_one_get(pair: AgentPair) -> None:
+    data = payload(3 * MiB)
+    handle = pair.put(data)
+    assert pair.fetch(handle) == data
+    assert pair.consumer_paths() == {"rdma/ok": 1}
+    assert pair.owner_paths() == {"rdma/ok": 1}
+    with pytest.raises(HandleNotFound, match="released by its last consumer"):
+        pair.fetch(handle)
+    nothing_left(pair)
+
+
+def test_the_cold_start_pulls_chunks_then_offers_rdma(tmp_path: Path) -> None:
+    with AgentPair(tmp_path / "shm", registered=False) as pair:
+        first, second = pair.put(payload(2 * MiB)), pair.put(payload(2 * MiB, 2))
+        assert pair.fetch(first) == payload(2 * MiB)
+        assert pair.consumer_paths() == {"chunked/no_offer": 1}
+        assert pair.fetch(second) == payload(2 * MiB, 2)
+        assert pair.consumer_paths() == {"chunked/no_offer": 1, "rdma/ok": 1}
+        nothing_left(pair)
+
+
+def test_plain_memory_and_small_payloads_answer_chunked(pair: AgentPair) -> None:
+    plain = pair.put(payload(2 * MiB), pinned=False)
+    small = pair.put(payload(1000))
+    assert pair.fetch(plain) == payload(2 * MiB) and pair.fetch(small) == payload(1000)
+    assert pair.owner_paths() == {"chunked/not_pinned": 1, "chunked/below_min": 1}
+    nothing_left(pair)
+
+
+def test_decode_error_falls_back_exactly_once(pair: AgentPair) -> None:
+    pair.owner.inject_fault("corrupt_descriptors", 1)
+    handle = pair.put(payload(2 * MiB))
+    assert pair.fetch(handle) == payload(2 * MiB)
+    assert pair.consumer_paths() == {"chunked/decode_error": 1}
+    assert pair.owner_paths() == {"rdma/ok": 1, "chunked/no_offer": 1}
+    assert pair.link.sent.count("_rv_detach") == 1  # the RDMA lease, detached once
+    nothing_left(pair)
+
+
+def test_get_failed_falls_back_exactly_once(pair: AgentPair) -> None:
+    assert pair.consumer_rdma is not None
+    pair.consumer_rdma.fail_gets = 1
+    handle = pair.put(payload(2 * MiB))
+    assert pair.fetch(handle) == payload(2 * MiB)
+    assert pair.consumer_paths() == {"chunked/get_failed": 1}
+    assert pair.owner_paths() == {"rdma/ok": 1, "chunked/no_offer": 1}
+    nothing_left(pair)
+
+
+def test_pool_exhausted_falls_back_exactly_once(tmp_path: Path) -> None:
+    """The consumer has no registered memory for the payload (its budget is smaller): it
+    cannot GET, and pulls the chunks into plain memory instead."""
+    base = default_config()
+    tiny = base.replace(
+        rdma=RdmaConfig(
+            rendezvous=base.rdma.rendezvous,
+            pool=RdmaPoolConfig(
+                initial_arena_bytes=1 * MiB,
+                max_arena_bytes=1 * MiB,
+                registered_bytes_budget=1 * MiB,
+            ),
+        )
+    )
+    with AgentPair(tmp_path / "shm", consumer_config=tiny) as pair:
+        handle = pair.put(payload(8 * MiB))
+        assert pair.fetch(handle) == payload(8 * MiB)
+        assert pair.consumer_paths() == {"chunked/pool_exhausted": 1}
+        assert pair.owner_paths() == {"rdma/ok": 1, "chunked/no_offer": 1}
+        nothing_left(pair)
+
+
+def test_an_owner_answering_rdma_again_gets_a_protocol_error(pair: AgentPair) -> None:
+    """The fallback acquire carried no offer; an owner that answers it with another
+    descriptor is broken: the fetch fails once, with no retry storm, and leaves nothing."""
+    assert pair.consumer_rdma is not None
+    pair.consumer_rdma.fail_gets = 1
+    pair.owner.inject_fault("answer_rdma_without_offer", 1)
+    handle = pair.put(payload(2 * MiB), ttl=60.0)
+    with pytest.raises(ProtocolError, match="again"):
+        pair.fetch(handle)
+    assert pair.link.sent.count("_rv_detach") == 2  # both leases ended
+    assert pair.owner.info()["live_leases"] == 0
+    assert pair.fetch(handle) == payload(2 * MiB)  # the handle is intact for a good consumer
+    nothing_left(pair)
+
+
+def test_an_unsafe_get_quarantines_its_destination_and_falls_back(pair: AgentPair) -> None:
+    """UCX may still write the destination of a failed GET: that memory is quarantined,
+    never handed to anyone, and the chunks land elsewhere."""
+    assert pair.consumer_rdma is not None
+    pair.consumer_rdma.unsafe_gets = 1
+    handle = pair.put(payload(2 * MiB))
+    assert pair.fetch(handle) == payload(2 * MiB)
+    state = pair.consumer.core.state
+    assert state.quarantined_bytes >= 2 * MiB
+    quarantined = {buffer.key for buffer, _ in state.quarantined}
+    for seed in range(4):  # later fetches never land in quarantined memory
+        lease = pair.lease(pair.put(payload(2 * MiB, seed)))
+        assert (lease.path, lease.offset) not in quarantined
+        pair.end(lease)
+    assert pair.consumer_paths() == {"chunked/get_failed": 1, "rdma/ok": 4}
+    nothing_left(pair)
+
+
+def test_a_get_past_its_bound_is_quarantined_not_freed(pair: AgentPair) -> None:
+    """The fetch's bound runs out during a GET that may still write: TransferTimeout, the
+    destination quarantined (and not also freed: the double free of issue 9), the lease
+    ended."""
+    assert pair.consumer_rdma is not None
+    pair.consumer_rdma.stalled_gets = 1
+    handle = pair.put(payload(2 * MiB), ttl=7200.0)
+    with pytest.raises(TransferTimeout):
+        pair.fetch(handle, "detach", timeout=5.0)
+    state = pair.consumer.core.state
+    assert state.quarantined_bytes >= 2 * MiB
+    assert "quarantine" in state.holders.values()
+    assert pair.owner.info()["live_leases"] == 0
+    pair.validate()
+    assert pair.fetch(handle) == payload(2 * MiB)
+    nothing_left(pair)
+
+
+def test_a_pinned_writer_under_an_unsafe_get_is_withdrawn(pair: AgentPair) -> None:
+    assert pair.consumer_rdma is not None
+    writer = pair.consumer.stage_reserve(4 * MiB, True, os.getpid())
+    pair.consumer_rdma.unsafe_gets = 1
+    handle = pair.put(payload(2 * MiB), ttl=60.0)
+    with pytest.raises(StagingError, match="withdrawn"):
+        pair.consumer.fetch_remote(
+            handle, "hold", None, os.getpid(), "unbounded", writer.reservation_id
+        )
+    pair.consumer.stage_abort(writer.reservation_id)  # the writer's close frees nothing now
+    state = pair.consumer.core.state
+    assert state.quarantined_bytes >= 4 * MiB
+    pair.validate()
+    assert pair.fetch(handle) == payload(2 * MiB)
+    nothing_left(pair)
+
+
+def test_get_into_a_pinned_writer_lands_in_it(pair: AgentPair) -> None:
+    writer = pair.consumer.stage_reserve(4 * MiB, True, os.getpid())
+    handle = pair.put(payload(3 * MiB))
+    lease = pair.consumer.fetch_remote(
+        handle, "hold", None, os.getpid(), "unbounded", writer.reservation_id
+    )
+    view = pair.segments.view(writer.path, writer.offset, 3 * MiB)
+    assert bytes(view) == payload(3 * MiB)
+    del view
+    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, lease.remote_lease_id)))
+    pair.consumer.stage_abort(writer.reservation_id)
+    nothing_left(pair)
+
+
+def test_an_unrenewed_rdma_lease_is_reaped_between_one_and_one_and_a_half_timeouts(
+    pair: AgentPair,
+) -> None:
+    """A consumer that got a descriptor and went silent: the owner's reaper force-releases
+    its lease between 1 and 1.5 lease timeouts later (2 s here), counted as reaped."""
+    handle = pair.put(payload(2 * MiB))
+    answer = decode_acquire_response(
+        pair.owner.owner._rv_acquire(encode(AcquireRequest(handle, rdma=RdmaOffer())))
+    )
+    assert answer.lease_timeout_ms == 2000  # type: ignore[union-attr]
+    pair.tick(1.9)
+    assert pair.owner.info()["live_leases"] == 1
+    pair.tick(1.1)
+    metrics = pair.owner.info()["metrics"]
+    assert metrics["velo_rendezvous_rdma_leases_reaped_total"] == 1
+    with pytest.raises(HandleNotFound, match="reaped"):
+        pair.fetch(handle)
+    nothing_left(pair)
+
+
+def test_a_ttl_ends_the_handle_but_not_a_node_local_copy_in_use(pair: AgentPair) -> None:
+    """A reader on the consumer node holds the fetched copy when the owner's TTL fires: the
+    reader keeps its bytes, a second fetch of the handle is refused naming the TTL."""
+    handle = pair.put(payload(2 * MiB), ttl=5.0, consumers=2)
+    lease = pair.lease(handle, "detach")
+    pair.tick(5.0)
+    with pytest.raises(HandleNotFound, match="TTL"):
+        pair.fetch(handle)
+    assert pair.read(lease) == payload(2 * MiB)
+    pair.end(lease)
+    nothing_left(pair)
+
+
+def test_consumers_n_is_exact_with_a_node_local_copy(pair: AgentPair) -> None:
+    """consumers=2: two claim-mode resolutions (the second served by the node-local copy,
+    but claimed at the owner), a third refused; claims consumed end the handle."""
+    handle = pair.put(payload(2 * MiB), consumers=2)
+    first = pair.lease(handle, "claim")
+    second = pair.lease(handle, "claim")
+    assert pair.consumer.info()["metrics"]["velo_fetches_total"]["cache"] == 1
+    with pytest.raises(HandleReleased):
+        pair.lease(handle, "claim")
+    for lease in (first, second):
+        pair.end(lease)
+    pid = os.getpid()
+    pair.consumer.claim_end(handle, True, pid)
+    pair.consumer.claim_end(handle, True, pid)
+    with pytest.raises(HandleNotFound, match="released by its last consumer"):
+        pair.fetch(handle)
+    nothing_left(pair)
+
+
+def test_a_claim_given_back_can_be_claimed_again(pair: AgentPair) -> None:
+    """A resolution whose task Ray retries gives its claim back; the retry claims it."""
+    handle = pair.put(payload(2 * MiB))
+    lease = pair.lease(handle, "claim")
+    pair.end(lease)
+    pair.consumer.claim_end(handle, False, os.getpid())
+    assert pair.fetch(handle) == payload(2 * MiB)
+    nothing_left(pair)
+
+
+def test_a_dead_resolvers_claims_go_back(pair: AgentPair) -> None:
+    """A process that claimed a single-use value dies before its body ended: its agent
+    sees it gone, ends its lease and gives the claim back, so Ray's retry gets the value."""
+    dead = 999_999_999  # a pid that cannot exist
+    handle = pair.put(payload(2 * MiB))
+    pair.consumer.fetch_remote(handle, "claim", None, dead, "unbounded")
+    with pytest.raises(HandleReleased):
+        pair.fetch(handle)
+    pair.tick(0.0)  # the liveness check
+    assert pair.fetch(handle) == payload(2 * MiB)
+    nothing_left(pair)
+
+
+def test_payload_over_the_limit_releases_the_owners_copy(tmp_path: Path) -> None:
+    limited = default_config().replace(staged_payload_max=1 * MiB)
+    with AgentPair(tmp_path / "shm", consumer_config=limited) as pair:
+        handle = pair.put(payload(2 * MiB))
+        with pytest.raises(PayloadTooLarge, match=str(1 * MiB)):
+            pair.fetch(handle)
+        assert pair.consumer.info()["live_slots"] == 0  # nothing of its size was allocated
+        nothing_left(pair)
+
+
+def test_a_full_shm_directory_says_shared_memory_too_small(pair: AgentPair) -> None:
+    free = os.statvfs(pair.config.shm_dir)
+    too_much = free.f_bavail * free.f_frsize + (1 << 30)
+    with pytest.raises(SharedMemoryTooSmall, match="shared-memory directory"):
+        pair.owner.stage_reserve(too_much, False, os.getpid())
+    with pytest.raises(SharedMemoryTooSmall):
+        pair.owner.stage_reserve(too_much, True, os.getpid())  # pinned falls back, then too small
+    nothing_left(pair)
+
+
+def test_idle_warm_arenas_never_refuse_a_region_and_the_gauge_follows(tmp_path: Path) -> None:
+    """A 48 MiB dedicated arena stays warm after its payload went; a 200 MiB region still
+    fits the 256 MiB budget (the warm arena is evicted first), and the registered-bytes gauge
+    equals the budget's own count after every step."""
+    with AgentPair(tmp_path / "shm") as pair:
+        core = pair.owner.core
+        handle = pair.put(payload(48 * MiB))
+        assert pair.fetch(handle) == payload(48 * MiB)
+        budget = core.memory.budget
+        gauge = lambda: core.metrics.snapshot()["velo_rdma_registered_bytes"]  # noqa: E731
+        assert budget.registered_bytes >= 48 * MiB and gauge() == budget.registered_bytes
+        info = pair.owner.region_alloc(200 * MiB, os.getpid())
+        assert gauge() == budget.registered_bytes <= budget.budget_bytes
+        pair.owner.region_unregister(info.region_id, 1.0)
+        assert gauge() == budget.registered_bytes
+        with pytest.raises(BudgetExceeded):
+            pair.owner.region_alloc(300 * MiB, os.getpid())
+        nothing_left(pair)
+
+
+def test_an_empty_payload_and_bytes_of_every_size(pair: AgentPair) -> None:
+    for size in (0, 1, MiB - 1, MiB, MiB + 1):
+        handle = pair.put(payload(size, size))
+        assert pair.fetch(handle) == payload(size, size)
+    nothing_left(pair)
