@@ -190,20 +190,7 @@ def fetch(handle: DataHandle, *, release: bool = True, timeout: float | None = N
         TransferTimeout: the fetch did not finish within its bound.
         PayloadTooLarge: over this node's ``staged_payload_max``; the staged copy is freed.
     """
-    return read(session.lease(handle, "release" if release else "detach", timeout))
-
-
-def read(local: LocalLease) -> Any:
-    """The typed object over a local lease; numpy views end the lease when collected, the
-    other kinds (copied out) end it at once. For this package's resolvers."""
-    header = local.type_header
-    if local.total_len == 0 or header.kind in ("bytes", "torch"):
-        try:
-            data: Any = b"" if local.total_len == 0 else session.view_of(local)
-            return from_bytes_view(header, data, copy=header.kind == "torch")
-        finally:
-            session.end_lease(session.current().agent, local.handle, local.lease_id)
-    return from_bytes_view(header, session.leased_array(local))
+    return session.read(session.lease(handle, "release" if release else "detach", timeout))
 
 
 def _owner_call(handle: DataHandle, method: str, message: Any) -> Any:

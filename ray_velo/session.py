@@ -33,7 +33,7 @@ from ray_velo.config import VeloConfig
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.memory.arena import SegmentMap
-from ray_velo.payload import as_bytes_view
+from ray_velo.payload import as_bytes_view, from_bytes_view
 from ray_velo.protocol import DataHandle
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "forget",
     "lease",
     "leased_array",
+    "read",
     "release_soon",
     "segment_view",
     "stage",
@@ -306,6 +307,19 @@ def leased_array(local: LocalLease) -> np.ndarray[Any, Any]:
     finalizer = weakref.finalize(exporter, end_lease, session.agent, local.handle, local.lease_id)
     finalizer.atexit = False
     return np.asarray(exporter)
+
+
+def read(local: LocalLease) -> Any:
+    """The typed object over a local lease; numpy views end the lease when collected, the
+    other kinds (copied out) end it at once."""
+    header = local.type_header
+    if local.total_len == 0 or header.kind in ("bytes", "torch"):
+        try:
+            data: Any = b"" if local.total_len == 0 else view_of(local)
+            return from_bytes_view(header, data, copy=header.kind == "torch")
+        finally:
+            end_lease(current().agent, local.handle, local.lease_id)
+    return from_bytes_view(header, leased_array(local))
 
 
 def claim_end(handle: DataHandle, consume: bool) -> None:

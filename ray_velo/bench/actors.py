@@ -8,13 +8,22 @@ Ray is imported when :func:`bench_actors` is first called, not at import.
 
 from __future__ import annotations
 
+import statistics
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["bench_actors", "pipeline_stages", "touch", "transport_text"]
+__all__ = [
+    "bench_actors",
+    "medians",
+    "pipeline_stages",
+    "touch",
+    "transfer_round",
+    "transport_text",
+]
 
 
 def touch(array: Any) -> int:
@@ -33,11 +42,10 @@ def _make(nbytes: int) -> np.ndarray[Any, Any]:
     return (np.arange(nbytes, dtype=np.uint64) % 251).astype(np.uint8)
 
 
-def _classes() -> tuple[Any, Any]:
+def _producer_class() -> Any:
     import ray
 
     import ray_velo as rv
-    from ray_velo import session
 
     @ray.remote(num_cpus=0)
     class Producer:
@@ -60,6 +68,15 @@ def _classes() -> tuple[Any, Any]:
 
         def drop(self) -> None:
             del self.array
+
+    return Producer
+
+
+def _consumer_class() -> Any:
+    import ray
+
+    import ray_velo as rv
+    from ray_velo import session
 
     @ray.remote(num_cpus=0)
     class Consumer:
@@ -106,7 +123,7 @@ def _classes() -> tuple[Any, Any]:
         def path_counts(self) -> dict[str, int]:
             return dict(self.agent_info()["metrics"]["velo_rendezvous_rdma_path_total"])
 
-    return Producer, Consumer
+    return Consumer
 
 
 _classes_made: tuple[Any, Any] | None = None
@@ -116,7 +133,7 @@ def bench_actors() -> tuple[Any, Any]:
     """The (Producer, Consumer) actor classes, made once per process."""
     global _classes_made
     if _classes_made is None:
-        _classes_made = _classes()
+        _classes_made = (_producer_class(), _consumer_class())
     return _classes_made
 
 
@@ -135,3 +152,42 @@ def pipeline_stages(array_bytes: int) -> tuple[type, Any]:
         return touch(array)
 
     return Batches, read_all
+
+
+def transfer_round(
+    producer: Any, consumer: Any, *, ray_store: bool = True, plain: bool = False
+) -> dict[str, float | None]:
+    """One round of the producer's array to the consumer, seconds per column: ``ray``
+    (put + get + read through Ray's object store), ``velo`` (rv.put pinned + rv.fetch +
+    read), its ``put`` and ``get_leg`` (the agent's UCX GET, None when none ran), and with
+    ``plain`` also ``velo_plain`` (staged in plain memory: the chunked path)."""
+    import ray
+
+    out: dict[str, float | None] = {}
+    if ray_store:
+        refs, put_s = ray.get(producer.ray_put.remote())
+        get_s = ray.get(consumer.ray_get.remote(refs))
+        del refs
+        out["ray"] = put_s + get_s
+    if plain:
+        handle, put_s = ray.get(producer.velo_put.remote(False))
+        fetch_s, _ = ray.get(consumer.velo_fetch.remote(handle))
+        out["velo_plain"] = put_s + fetch_s
+    handle, put_s = ray.get(producer.velo_put.remote(True))
+    fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
+    out["velo"], out["put"], out["get_leg"] = put_s + fetch_s, put_s, leg_s
+    return out
+
+
+def medians(
+    reps: int, one: Callable[[], dict[str, float | None]], each: Callable[[int], object] = print
+) -> dict[str, float | None]:
+    """Medians of ``one()``'s columns over ``reps`` rounds after one uncounted warm-up;
+    ``each(rep)`` after every round (progress)."""
+    samples: dict[str, list[float]] = {}
+    for rep in range(reps + 1):
+        for column, value in one().items():
+            if rep and value is not None:
+                samples.setdefault(column, []).append(value)
+        each(rep)
+    return {column: statistics.median(values) for column, values in samples.items()}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,10 +36,6 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-def _median(samples: list[float]) -> float | None:
-    return statistics.median(samples) if samples else None
-
-
 def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
@@ -52,36 +47,6 @@ def _pair(producer_cls: Any, consumer_cls: Any, hosts: Sequence[Any]) -> tuple[A
     consumer = consumer_cls.options(resources={hosts[1].resource: 1}).remote()
     ray.get([producer.ready.remote(), consumer.ready.remote()], timeout=120)
     return producer, consumer
-
-
-def _repeat(reps: int, one: Callable[[], dict[str, float | None]]) -> dict[str, float | None]:
-    """Medians of ``one()``'s columns over ``reps`` runs after one uncounted warm-up."""
-    samples: dict[str, list[float]] = {}
-    for rep in range(reps + 1):
-        for column, value in one().items():
-            if rep and value is not None:
-                samples.setdefault(column, []).append(value)
-    return {column: _median(values) for column, values in samples.items()}
-
-
-def _transfers(producer: Any, consumer: Any, with_ray: bool) -> Callable[[], dict[str, Any]]:
-    import ray
-
-    def one() -> dict[str, float | None]:
-        out: dict[str, float | None] = {}
-        if with_ray:
-            refs, put_s = ray.get(producer.ray_put.remote())
-            get_s = ray.get(consumer.ray_get.remote(refs))
-            del refs
-            out["ray"] = put_s + get_s
-        handle, put_s = ray.get(producer.velo_put.remote(True))
-        fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
-        out["velo"] = put_s + fetch_s
-        out["put"] = put_s
-        out["get_leg"] = leg_s
-        return out
-
-    return one
 
 
 def _pipelines(
@@ -140,7 +105,7 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     import ray
 
     import ray_velo as rv
-    from ray_velo.bench.actors import bench_actors
+    from ray_velo.bench.actors import bench_actors, medians, transfer_round
     from ray_velo.config import VeloConfig
     from ray_velo.testbed import connect
 
@@ -155,10 +120,10 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     for size in sizes:
         _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
         ray.get(producer.make.remote(size))
-        rows[size] = _repeat(reps, _transfers(producer, consumer, with_ray=True))
+        rows[size] = medians(reps, lambda: transfer_round(producer, consumer), lambda _: None)
         _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
         pipelines, producers = _pipelines(size, info.hosts)
-        rows[size].update(_repeat(reps, pipelines))
+        rows[size].update(medians(reps, pipelines, lambda _: None))
         for actor in producers:
             ray.kill(getattr(actor, "ray_handle", actor))
         ray.get(producer.drop.remote())
@@ -174,7 +139,9 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     before = ray.get(consumer.path_counts.remote())
     for size in sizes:
         ray.get(producer.make.remote(size))
-        chunked = _repeat(reps, _transfers(producer, consumer, with_ray=False))
+        chunked = medians(
+            reps, lambda: transfer_round(producer, consumer, ray_store=False), lambda _: None
+        )
         rows[size]["chunked"] = chunked["velo"]
         ray.get(producer.drop.remote())
     paths["chunked"] = _moved(before, ray.get(consumer.path_counts.remote()))

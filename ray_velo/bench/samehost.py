@@ -30,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from ray_velo.bench.actors import bench_actors, pipeline_stages, transport_text
+from ray_velo.bench.actors import (
+    bench_actors,
+    medians,
+    pipeline_stages,
+    transfer_round,
+    transport_text,
+)
 
 MiB = 1 << 20
 
@@ -188,51 +194,21 @@ def run_bench(
     progress: Callable[[int, int, str], None] = _progress,
 ) -> list[BenchRow]:
     """Measure every column for every size, side by side, in one run."""
-    import ray
 
     largest = max(sizes)
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest), config=config)
     rows: list[BenchRow] = []
     steps = len(sizes) * (reps + 1) + (len(sizes) if with_ucx_raw else 0)
     step = 0
+
+    def tick(label: str) -> None:
+        nonlocal step
+        step += 1
+        progress(step, steps, label)
+
     try:
         for size in sizes:
-            ray.get(cluster.producer.make.remote(size))
-            samples: dict[str, list[float]] = {
-                "ray": [],
-                "velo_chunked": [],
-                "velo_rdma": [],
-                "get_leg": [],
-            }
-            paths_before = ray.get(cluster.consumer.path_counts.remote())
-            for rep in range(reps + 1):  # the first round warms up and is not counted
-                refs, put_s = ray.get(cluster.producer.ray_put.remote())
-                get_s = ray.get(cluster.consumer.ray_get.remote(refs))
-                del refs
-                handle, vput_s = ray.get(cluster.producer.velo_put.remote(False))
-                vfetch_s, _ = ray.get(cluster.consumer.velo_fetch.remote(handle))
-                handle, rput_s = ray.get(cluster.producer.velo_put.remote(True))
-                rfetch_s, leg_s = ray.get(cluster.consumer.velo_fetch.remote(handle))
-                if rep:
-                    samples["ray"].append(put_s + get_s)
-                    samples["velo_chunked"].append(vput_s + vfetch_s)
-                    samples["velo_rdma"].append(rput_s + rfetch_s)
-                    if leg_s is not None:
-                        samples["get_leg"].append(leg_s)
-                step += 1
-                progress(step, steps, f"{size // MiB} MiB rep {rep}")
-            row = BenchRow(size)
-            for column, values in samples.items():
-                if values:
-                    row.seconds[column] = statistics.median(values)
-            after = ray.get(cluster.consumer.path_counts.remote())
-            row.paths = {
-                k: str(after.get(k, 0) - paths_before.get(k, 0))
-                for k in after
-                if after.get(k, 0) != paths_before.get(k, 0)
-            }
-            ray.get(cluster.producer.drop.remote())
-            rows.append(row)
+            rows.append(_measure_size(cluster, size, reps, lambda label: tick(label)))
     finally:
         cluster.close()
     if with_ucx_raw:
@@ -241,9 +217,33 @@ def run_bench(
                 row.seconds["ucx_raw"] = ucx_raw_get(row.size_bytes, reps)
             except Exception as exc:  # the ceiling is informative, never fatal
                 sys.stderr.write(f"\nraw UCX GET unavailable: {exc}\n")
-            step += 1
-            progress(step, steps, f"raw UCX {row.size_bytes // MiB} MiB")
+            tick(f"raw UCX {row.size_bytes // MiB} MiB")
     return rows
+
+
+#: transfer_round's column names as this table shows them.
+_COLUMN_OF = {"ray": "ray", "velo_plain": "velo_chunked", "velo": "velo_rdma", "get_leg": "get_leg"}
+
+
+def _measure_size(cluster: _Cluster, size: int, reps: int, tick: Callable[[str], None]) -> BenchRow:
+    import ray
+
+    ray.get(cluster.producer.make.remote(size))
+    before = ray.get(cluster.consumer.path_counts.remote())
+    measured = medians(
+        reps,
+        lambda: transfer_round(cluster.producer, cluster.consumer, plain=True),
+        lambda rep: tick(f"{size // MiB} MiB rep {rep}"),
+    )
+    row = BenchRow(size)
+    for column, name in _COLUMN_OF.items():
+        value = measured.get(column)
+        if value:
+            row.seconds[name] = value
+    after = ray.get(cluster.consumer.path_counts.remote())
+    row.paths = {k: str(v - before.get(k, 0)) for k, v in after.items() if v != before.get(k, 0)}
+    ray.get(cluster.producer.drop.remote())
+    return row
 
 
 COLUMNS = ("ray", "velo_chunked", "velo_rdma", "get_leg", "ucx_raw")

@@ -266,57 +266,64 @@ class OffsetAllocator:
             if granules & ((1 << shift) - 1):
                 min_bin += 1
         reserve = _BIN_SIZES[min_bin]
-        # First non-empty bin >= min_bin: its own leaf first, then the next non-empty top bit.
-        top_mask = self._top_mask
-        leaf_masks = self._leaf_masks
-        top = min_bin >> 3
-        found = _NONE
-        if (top_mask >> top) & 1:
-            leaf = leaf_masks[top] >> (min_bin & 7)
-            if leaf:
-                found = min_bin + (leaf & -leaf).bit_length() - 1
+        found = self._first_bin_at_least(min_bin)
         if found == _NONE:
-            higher = top_mask >> (top + 1)
-            if not higher:
-                return None
-            top += (higher & -higher).bit_length()  # lowest set bit above top, as an index
-            leaf = leaf_masks[top]
-            found = (top << 3) + (leaf & -leaf).bit_length() - 1
-        # Pop the head of bin `found`; its size is >= _BIN_SIZES[found] >= reserve.
-        heads = self._bin_heads
-        bin_next = self._bin_next
-        node = heads[found]
-        after = bin_next[node]
-        heads[found] = after
-        if after != _NONE:
-            self._bin_prev[after] = _NONE
-        else:
-            leaf = leaf_masks[top] & ~(1 << (found & 7))
-            leaf_masks[top] = leaf
-            if not leaf:
-                self._top_mask = top_mask & ~(1 << top)
-        sizes = self._sizes
-        remainder = sizes[node] - reserve
-        sizes[node] = reserve
+            return None
+        node = self._pop_bin(found)  # its size is >= _BIN_SIZES[found] >= reserve
+        offset = self._offsets[node]
+        remainder = self._sizes[node] - reserve
+        self._sizes[node] = reserve
         if remainder:
-            offset = self._offsets[node]
-            rest = self._new_node(offset + reserve, remainder)
-            nbr_next = self._nbr_next
-            following = nbr_next[node]
-            self._nbr_prev[rest] = node
-            nbr_next[rest] = following
-            nbr_next[node] = rest
-            if following != _NONE:
-                self._nbr_prev[following] = rest
-            self._link_free(rest, remainder)
-        else:
-            offset = self._offsets[node]
+            self._split_off(node, offset + reserve, remainder)
         self._serial = serial = self._serial + 1
         token = (serial << self._token_shift) | node
         self._tokens[node] = token
         self._free_granules -= reserve
         self._count += 1
         return Allocation(offset, reserve, token)
+
+    def _first_bin_at_least(self, min_bin: int) -> int:
+        """The first non-empty bin >= ``min_bin`` (its own leaf first, then the next
+        non-empty top bit), or _NONE."""
+        top_mask = self._top_mask
+        top = min_bin >> 3
+        if (top_mask >> top) & 1:
+            leaf = self._leaf_masks[top] >> (min_bin & 7)
+            if leaf:
+                return min_bin + (leaf & -leaf).bit_length() - 1
+        higher = top_mask >> (top + 1)
+        if not higher:
+            return _NONE
+        top += (higher & -higher).bit_length()  # lowest set bit above top, as an index
+        leaf = self._leaf_masks[top]
+        return (top << 3) + (leaf & -leaf).bit_length() - 1
+
+    def _pop_bin(self, found: int) -> int:
+        """Unlink and return the head node of non-empty bin ``found``."""
+        node = self._bin_heads[found]
+        after = self._bin_next[node]
+        self._bin_heads[found] = after
+        if after != _NONE:
+            self._bin_prev[after] = _NONE
+        else:
+            top = found >> 3
+            leaf = self._leaf_masks[top] & ~(1 << (found & 7))
+            self._leaf_masks[top] = leaf
+            if not leaf:
+                self._top_mask &= ~(1 << top)
+        return node
+
+    def _split_off(self, node: int, offset: int, granules: int) -> None:
+        """Make ``[offset, offset + granules)`` after ``node`` a free block of its own."""
+        rest = self._new_node(offset, granules)
+        nbr_next = self._nbr_next
+        following = nbr_next[node]
+        self._nbr_prev[rest] = node
+        nbr_next[rest] = following
+        nbr_next[node] = rest
+        if following != _NONE:
+            self._nbr_prev[following] = rest
+        self._link_free(rest, granules)
 
     def free(self, allocation: Allocation) -> None:
         """Return ``allocation``'s granules, merging them with free neighbours.
@@ -456,8 +463,13 @@ class OffsetAllocator:
             length = len(getattr(self, name))
             _check(length == nodes, f"{name} has {length} entries, offsets has {nodes}")
         _check(len(self._bin_of) == nodes, "_bin_of length differs from the node count")
+        free_nodes = self._validate_bins(nodes)
+        live_nodes = self._validate_partition(nodes, free_nodes)
+        self._validate_chain(nodes, live_nodes, free_nodes)
 
-        # Bins and masks.
+    def _validate_bins(self, nodes: int) -> set[int]:
+        """Bins and masks agree; every free block sits in the bin its size rounds down to.
+        Returns the free nodes."""
         free_nodes: set[int] = set()
         for index in range(_NUM_BINS):
             top, bit = index >> 3, 1 << (index & 7)
@@ -482,8 +494,10 @@ class OffsetAllocator:
             has_top = bool(self._top_mask >> top & 1)
             _check(has_top == bool(self._leaf_masks[top]), f"top bit {top} disagrees with leaf")
         _check(self._top_mask >> _TOP_BINS == 0, "top mask has bits above 32")
+        return free_nodes
 
-        # Pool partition: live + free + spare == every materialised node.
+    def _validate_partition(self, nodes: int, free_nodes: set[int]) -> set[int]:
+        """Live + free + spare == every materialised node. Returns the live nodes."""
         live_nodes = {n for n in range(nodes) if self._tokens[n] != _NONE}
         spare = set(self._spare)
         _check(len(spare) == len(self._spare), "a node is on the spare stack twice")
@@ -497,8 +511,11 @@ class OffsetAllocator:
         mask = (1 << self._token_shift) - 1
         for node in live_nodes:
             _check(self._tokens[node] & mask == node, f"node {node} holds another node's token")
+        return live_nodes
 
-        # Physical chain: starts at offset 0, contiguous, ends at size, visits every block.
+    def _validate_chain(self, nodes: int, live_nodes: set[int], free_nodes: set[int]) -> None:
+        """The physical chain starts at 0, is contiguous, ends at size, visits every block,
+        and never has two free blocks side by side; counters match it."""
         firsts = [n for n in live_nodes | free_nodes if self._nbr_prev[n] == _NONE]
         _check(len(firsts) == 1, f"{len(firsts)} blocks have no left neighbour, want 1")
         node, expected, visited, free_total, used_total = firsts[0], 0, 0, 0, 0

@@ -471,54 +471,67 @@ class ArenaPool:
         if not may_map:
             what = "needs a dedicated arena" if dedicated else "fits no mapped arena"
             return Fallback("pool_exhausted", nbytes, f"{what}, and this caller may not map one")
-
         with self._map_lock:
-            with self._lock:
-                if self._closed:
-                    return Fallback("pool_exhausted", nbytes, "pool closed")
-                if dedicated:
-                    size = page_round_up(nbytes)
-                    warm = self._take_warm(size)
-                    if warm is not None:
-                        self._records[warm.arena.path] = warm
-                        return Placement(warm.arena, 0, nbytes, None, True, warm.registration)
-                else:
-                    # Another thread may have mapped an arena while we waited for the lock.
-                    placed = self._place(nbytes, granules)
-                    if placed is not None:
-                        return placed
-                    size = self._next_arena_bytes(granules)
-                reserved = self._budget is None or self._budget.reserve(size, reclaim=False)
-                # Registrations are evicted by the byte budget, never by a timer (spec):
-                # warm arenas make room for a new one.
-                evicted = [] if reserved else (self._evict_warm_for(size) or [])
-            for record in evicted:
-                self._unmap(record)
-            if not reserved and evicted:
-                with self._lock:
-                    assert self._budget is not None
-                    reserved = self._budget.reserve(size, reclaim=False)
-            if not reserved:
+            found = self._reuse_or_size(nbytes, granules, dedicated)
+            if not isinstance(found, int):
+                return found
+            if not self._reserve(found):
                 assert self._budget is not None
                 return Fallback(
                     "budget",
                     nbytes,
-                    f"an arena of {size} bytes would pass registered_bytes_budget "
+                    f"an arena of {found} bytes would pass registered_bytes_budget "
                     f"({self._budget.registered_bytes} of {self._budget.budget_bytes} used)",
                 )
-            mapped = self._map_arena(size, dedicated, nbytes)
-            if isinstance(mapped, Fallback):
-                return mapped
-            with self._lock:
-                self._records[mapped.arena.path] = mapped
-                if dedicated:
-                    return Placement(mapped.arena, 0, nbytes, None, True, mapped.registration)
-                self._pooled.append(mapped)
-                placed = self._place_in(mapped, nbytes, granules)
-                if placed is None:  # cannot happen: _next_arena_bytes sized it for the request
-                    mapped.empty_since = now
-                    return Fallback("pool_exhausted", nbytes, "a fresh arena refused the request")
-                return placed
+            return self._map_and_place(found, dedicated, nbytes, granules, now)
+
+    def _reuse_or_size(
+        self, nbytes: int, granules: int, dedicated: bool
+    ) -> Placement | Fallback | int:
+        # _map_lock held. A warm arena, or a place another thread mapped while we waited;
+        # else the size of the arena to map.
+        with self._lock:
+            if self._closed:
+                return Fallback("pool_exhausted", nbytes, "pool closed")
+            if dedicated:
+                warm = self._take_warm(page_round_up(nbytes))
+                if warm is None:
+                    return page_round_up(nbytes)
+                self._records[warm.arena.path] = warm
+                return Placement(warm.arena, 0, nbytes, None, True, warm.registration)
+            placed = self._place(nbytes, granules)
+            return placed if placed is not None else self._next_arena_bytes(granules)
+
+    def _reserve(self, size: int) -> bool:
+        # _map_lock held. Registrations are evicted by the byte budget, never by a timer
+        # (spec): warm arenas make room for a new one, if all of them together would.
+        if self._budget is None:
+            return True
+        with self._lock:
+            if self._budget.reserve(size, reclaim=False):
+                return True
+            evicted = self._evict_warm_for(size) or []
+        for record in evicted:
+            self._unmap(record)
+        return bool(evicted) and self._budget.reserve(size, reclaim=False)
+
+    def _map_and_place(
+        self, size: int, dedicated: bool, nbytes: int, granules: int, now: float
+    ) -> Placement | Fallback:
+        # _map_lock held; the budget holds `size`.
+        mapped = self._map_arena(size, dedicated, nbytes)
+        if isinstance(mapped, Fallback):
+            return mapped
+        with self._lock:
+            self._records[mapped.arena.path] = mapped
+            if dedicated:
+                return Placement(mapped.arena, 0, nbytes, None, True, mapped.registration)
+            self._pooled.append(mapped)
+            placed = self._place_in(mapped, nbytes, granules)
+            if placed is None:  # cannot happen: _next_arena_bytes sized it for the request
+                mapped.empty_since = now
+                return Fallback("pool_exhausted", nbytes, "a fresh arena refused the request")
+            return placed
 
     def free(self, placement: Placement, now: float) -> None:
         """Return ``placement``'s bytes to the pool.
@@ -561,15 +574,7 @@ class ArenaPool:
         none is left; the budget's reclaimer. Returns the bytes released."""
         with self._map_lock:
             with self._lock:
-                victims: list[_ArenaRecord] = []
-                released = 0
-                for record in self._warm:
-                    if released >= nbytes:
-                        break
-                    victims.append(record)
-                    released += record.charged_bytes
-                for record in victims:
-                    self._warm.remove(record)
+                victims = self._take_warm_victims(nbytes, all_or_nothing=False) or []
             freed = 0
             for record in victims:
                 if self._unmap(record):
@@ -657,44 +662,7 @@ class ArenaPool:
             pooled_ids = {id(r) for r in self._pooled}
             _check(len(pooled_ids) == len(self._pooled), "a pooled arena is listed twice")
             for path, record in self._records.items():
-                arena = record.arena
-                _check(not arena.closed, f"live record of closed arena {path}")
-                _check(arena.nbytes % PAGE_BYTES == 0, f"arena {path} is not whole pages")
-                allocator = record.allocator
-                if allocator is None:
-                    _check(id(record) not in pooled_ids, f"dedicated arena {path} is pooled")
-                    _check(not record.live, f"dedicated arena {path} holds tokens")
-                    _check(record.empty_since is None, f"dedicated arena {path} marked empty")
-                else:
-                    _check(id(record) in pooled_ids, f"pooled arena {path} is not listed")
-                    allocator.validate()
-                    _check(
-                        allocator.used_granules + allocator.free_granules == allocator.size,
-                        f"arena {path}: used + free != size",
-                    )
-                    _check(
-                        allocator.size * GRANULE_BYTES == arena.nbytes,
-                        f"arena {path}: allocator covers {allocator.size} granules",
-                    )
-                    _check(
-                        allocator.allocation_count == len(record.live),
-                        f"arena {path}: {allocator.allocation_count} allocations, "
-                        f"{len(record.live)} live tokens",
-                    )
-                    _check(
-                        allocator.is_empty() == (record.empty_since is not None),
-                        f"arena {path}: empty={allocator.is_empty()}, "
-                        f"empty_since={record.empty_since}",
-                    )
-                if self._registrar is None:
-                    _check(record.registration is None, f"arena {path} registered in plain pool")
-                    _check(record.charged_bytes == 0, f"arena {path} charged in plain pool")
-                else:
-                    registration = record.registration
-                    _check(registration is not None, f"arena {path} is not registered")
-                    if registration is not None:
-                        start, end = registration.effective_range
-                        _check(record.charged_bytes == end - start, f"arena {path} mischarged")
+                self._validate_record(path, record, pooled_ids)
             if self._budget is not None:
                 own = sum(
                     r.charged_bytes for r in (*self._records.values(), *self._warm, *self._leaked)
@@ -706,6 +674,46 @@ class ArenaPool:
                 )
             if self._closed:
                 _check(not self._records, "a closed pool still has arenas")
+
+    def _validate_record(self, path: str, record: _ArenaRecord, pooled_ids: set[int]) -> None:
+        # Both locks held (validate).
+        arena = record.arena
+        _check(not arena.closed, f"live record of closed arena {path}")
+        _check(arena.nbytes % PAGE_BYTES == 0, f"arena {path} is not whole pages")
+        allocator = record.allocator
+        if allocator is None:
+            _check(id(record) not in pooled_ids, f"dedicated arena {path} is pooled")
+            _check(not record.live, f"dedicated arena {path} holds tokens")
+            _check(record.empty_since is None, f"dedicated arena {path} marked empty")
+        else:
+            _check(id(record) in pooled_ids, f"pooled arena {path} is not listed")
+            allocator.validate()
+            _check(
+                allocator.used_granules + allocator.free_granules == allocator.size,
+                f"arena {path}: used + free != size",
+            )
+            _check(
+                allocator.size * GRANULE_BYTES == arena.nbytes,
+                f"arena {path}: allocator covers {allocator.size} granules",
+            )
+            _check(
+                allocator.allocation_count == len(record.live),
+                f"arena {path}: {allocator.allocation_count} allocations, "
+                f"{len(record.live)} live tokens",
+            )
+            _check(
+                allocator.is_empty() == (record.empty_since is not None),
+                f"arena {path}: empty={allocator.is_empty()}, empty_since={record.empty_since}",
+            )
+        if self._registrar is None:
+            _check(record.registration is None, f"arena {path} registered in plain pool")
+            _check(record.charged_bytes == 0, f"arena {path} charged in plain pool")
+        else:
+            registration = record.registration
+            _check(registration is not None, f"arena {path} is not registered")
+            if registration is not None:
+                start, end = registration.effective_range
+                _check(record.charged_bytes == end - start, f"arena {path} mischarged")
 
     def close(self) -> None:
         """Unregister, unmap and unlink every arena, live placements included; idempotent.
@@ -811,16 +819,20 @@ class ArenaPool:
 
     def _evict_warm_for(self, size: int) -> list[_ArenaRecord] | None:
         # _lock held, the budget refused `size`. Warm arenas (oldest first) whose release
-        # would make room; None if even all of them would not.
+        # would make room; None (and none taken) if even all of them would not.
         assert self._budget is not None
-        short = size - self._budget.available_bytes
+        return self._take_warm_victims(size - self._budget.available_bytes, all_or_nothing=True)
+
+    def _take_warm_victims(self, short: int, *, all_or_nothing: bool) -> list[_ArenaRecord] | None:
+        # _lock held. Take warm arenas, oldest first, until `short` bytes of budget are
+        # covered (or, unless all_or_nothing, until none is left).
         victims: list[_ArenaRecord] = []
         for record in self._warm:
             if short <= 0:
                 break
             victims.append(record)
             short -= record.charged_bytes
-        if short > 0:
+        if short > 0 and all_or_nothing:
             return None
         for record in victims:
             self._warm.remove(record)

@@ -77,69 +77,87 @@ class OwnerService:
         with core.changing() as fx:
             if request.consumer_node and request.consumer_worker:
                 consumer = (request.consumer_node, request.consumer_worker)
-                ended = core.state.supersede(*consumer, core.clock(), fx)
-                core.metrics.leases_reaped(ended)
-            store = core.state.store
-            slot = store.slot(request.handle)
-            rendezvous = core.config.rdma.rendezvous
-            facts = OwnerFacts(
-                offer=request.rdma,
-                has_registry=core.rdma is not None,
-                rdma_enabled=core.rdma_enabled,
-                slot_pinned=slot.pinned,
-                total_len=slot.total_len,
-                rdma_min_bytes=rendezvous.rdma_min_bytes,
-                draining=store.draining,
-            )
-            decision = decide_path(facts, lambda: self._descriptor(slot))
-            descriptor = decision.descriptor
-            if decision.reason == "no_offer" and core.take_fault("answer_rdma_without_offer"):
-                descriptor = self._descriptor(slot) or b""  # a broken owner, for the tests
-            core.metrics.path(decision.path, decision.reason)
-            now = core.clock()
+                core.metrics.leases_reaped(core.state.supersede(*consumer, core.clock(), fx))
+            slot = core.state.store.slot(request.handle)
+            descriptor = self._decide(request, slot)
             if descriptor:
-                if core.take_fault("corrupt_descriptors"):
-                    descriptor += b"\x00"  # a trailing byte: decode must refuse it
-                lease = store.acquire(
-                    request.handle,
-                    now,
-                    kind="rdma",
-                    timeout=rendezvous.lease_timeout,
-                    claim=request.claim,
-                    consumer=consumer,
-                )
                 fx.poke = True
-                return encode(
-                    Rdma(
-                        lease.lease_id,
-                        descriptor,
-                        rendezvous.lease_timeout_ms,
-                        slot.total_len,
-                        slot.type_header,
-                    )
-                )
-            timeout = request.lease_ms / 1000 if request.lease_ms > 0 else None
-            lease = store.acquire(
-                request.handle,
-                now,
-                kind="local" if request.holder_pid else "chunked",
-                timeout=timeout,
-                holder_pid=request.holder_pid,
-                claim=request.claim,
-                consumer=consumer,
+                return self._grant_rdma(request, slot, descriptor, consumer)
+            fx.poke = request.lease_ms > 0 or bool(request.holder_pid)
+            return self._grant_chunked(request, slot, consumer)
+
+    def _decide(self, request: AcquireRequest, slot: Slot) -> bytes:
+        """The eight checks, counted; the descriptor to answer with, or b"" for chunked."""
+        core = self.core
+        facts = OwnerFacts(
+            offer=request.rdma,
+            has_registry=core.rdma is not None,
+            rdma_enabled=core.rdma_enabled,
+            slot_pinned=slot.pinned,
+            total_len=slot.total_len,
+            rdma_min_bytes=core.config.rdma.rendezvous.rdma_min_bytes,
+            draining=core.state.store.draining,
+        )
+        decision = decide_path(facts, lambda: self._descriptor(slot))
+        descriptor = decision.descriptor
+        if decision.reason == "no_offer" and core.take_fault("answer_rdma_without_offer"):
+            descriptor = self._descriptor(slot) or b""  # a broken owner, for the tests
+        core.metrics.path(decision.path, decision.reason)
+        if descriptor and core.take_fault("corrupt_descriptors"):
+            descriptor += b"\x00"  # a trailing byte: decode must refuse it
+        return descriptor
+
+    def _grant_rdma(
+        self,
+        request: AcquireRequest,
+        slot: Slot,
+        descriptor: bytes,
+        consumer: tuple[str, int] | None,
+    ) -> bytes:
+        """An RDMA lease (always with a deadline) and the answer carrying the descriptor."""
+        rendezvous = self.core.config.rdma.rendezvous
+        lease = self.core.state.store.acquire(
+            request.handle,
+            self.core.clock(),
+            kind="rdma",
+            timeout=rendezvous.lease_timeout,
+            claim=request.claim,
+            consumer=consumer,
+        )
+        return encode(
+            Rdma(
+                lease.lease_id,
+                descriptor,
+                rendezvous.lease_timeout_ms,
+                slot.total_len,
+                slot.type_header,
             )
-            fx.poke = timeout is not None or bool(request.holder_pid)
-            chunk = core.config.chunk_size
-            return encode(
-                Ready(
-                    lease.lease_id,
-                    lease.lease_id,
-                    chunk,
-                    math.ceil(slot.total_len / chunk),
-                    slot.total_len,
-                    slot.type_header,
-                )
+        )
+
+    def _grant_chunked(
+        self, request: AcquireRequest, slot: Slot, consumer: tuple[str, int] | None
+    ) -> bytes:
+        """A chunked lease (a deadline only when asked: ``lease_ms``) and its answer."""
+        lease = self.core.state.store.acquire(
+            request.handle,
+            self.core.clock(),
+            kind="local" if request.holder_pid else "chunked",
+            timeout=request.lease_ms / 1000 if request.lease_ms > 0 else None,
+            holder_pid=request.holder_pid,
+            claim=request.claim,
+            consumer=consumer,
+        )
+        chunk = self.core.config.chunk_size
+        return encode(
+            Ready(
+                lease.lease_id,
+                lease.lease_id,
+                chunk,
+                math.ceil(slot.total_len / chunk),
+                slot.total_len,
+                slot.type_header,
             )
+        )
 
     def _descriptor(self, slot: Slot) -> bytes | None:
         """Check 8: the staging still exists (registered) and the descriptor encodes."""

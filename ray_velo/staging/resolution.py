@@ -70,8 +70,6 @@ class Resolution:
         self.claimed: list[DataHandle] = []
 
     def one(self, staged: StagedValue) -> Any:
-        from ray_velo.api import read
-
         try:
             local = session.lease(staged.handle, self.mode, staged.budget_s)
         except HandleReleased as exc:
@@ -82,7 +80,7 @@ class Resolution:
             raise
         if self.mode == "claim":
             self.claimed.append(staged.handle)
-        return read(local)
+        return session.read(local)
 
     def tree(self, value: Any) -> Any:
         """``value`` with every StagedValue resolved."""

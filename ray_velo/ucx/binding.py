@@ -915,20 +915,9 @@ def get(
             ``ABORT_GRACE_S``, the destination may yet be written: do not reuse it.
     """
     operation = "ucp_get_nbx"
-    _check_not_forked(operation)
-    _check_u64(operation, "local_addr", local_addr)
-    _check_u64(operation, "remote_addr", remote_addr)
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise _invalid(operation, f"nbytes={nbytes!r} must be a non-negative integer")
-    if not timeout_s > 0:
-        raise _invalid(operation, f"timeout_s={timeout_s!r} must be positive")
-    if rkey.endpoint is not ep:
-        raise _invalid(operation, "the remote key was unpacked on another endpoint")
-    if local_memh is not None and not local_memh.contains(local_addr, nbytes):
-        raise _invalid(operation, "the destination range is outside local_memh")
+    _check_get_args(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, local_memh)
     if nbytes == 0:
         return
-
     memh_handle: Any = ep._b.ffi.NULL
     if local_memh is not None:
         with local_memh._lock:
@@ -955,6 +944,29 @@ def get(
             with local_memh._cond:
                 local_memh._inflight -= 1
                 local_memh._cond.notify_all()
+
+
+def _check_get_args(
+    ep: Endpoint,
+    local_addr: int,
+    nbytes: int,
+    remote_addr: int,
+    rkey: RemoteKey,
+    timeout_s: float,
+    local_memh: MemoryRegistration | None,
+) -> None:
+    operation = "ucp_get_nbx"
+    _check_not_forked(operation)
+    _check_u64(operation, "local_addr", local_addr)
+    _check_u64(operation, "remote_addr", remote_addr)
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise _invalid(operation, f"nbytes={nbytes!r} must be a non-negative integer")
+    if not timeout_s > 0:
+        raise _invalid(operation, f"timeout_s={timeout_s!r} must be positive")
+    if rkey.endpoint is not ep:
+        raise _invalid(operation, "the remote key was unpacked on another endpoint")
+    if local_memh is not None and not local_memh.contains(local_addr, nbytes):
+        raise _invalid(operation, "the destination range is outside local_memh")
 
 
 def _post_and_wait(

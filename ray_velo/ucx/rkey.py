@@ -89,11 +89,29 @@ def parse_packed_rkey(
     """
     data = bytes(blob)
     n = len(data)
+    md_map, mem_type = _header(data, max_len)
+    sizes, pos = _md_bodies(data, md_map.bit_count())
+    if md_map == 0:
+        # The dummy key: UCX reads no sys_dev byte and runs no stage 2.
+        if pos != n:
+            raise _refuse(f"{n - pos} trailing bytes after a key with no memory domains")
+        return PackedRkeyLayout(n, md_map, mem_type, (), None, 0)
+    if pos >= n:
+        raise _refuse("sys_dev byte is missing")
+    sys_dev = data[pos]
+    pos, distances = _distances(data, pos + 1, sys_dev)
+    if pos != n:
+        raise _refuse(f"{n - pos} trailing bytes")
+    return PackedRkeyLayout(n, md_map, mem_type, tuple(sizes), sys_dev, distances)
+
+
+def _header(data: bytes, max_len: int) -> tuple[int, int]:
+    """The md_map and mem_type, checked: length bounds, host memory, few enough domains."""
+    n = len(data)
     if n > max_len:
         raise _refuse(f"{n} bytes is over the {max_len}-byte limit")
     if n < HEADER_BYTES:
         raise _refuse(f"{n} bytes is shorter than the {HEADER_BYTES}-byte header")
-
     md_map = int.from_bytes(data[:MD_MAP_BYTES], "little")
     mem_type = data[MD_MAP_BYTES]
     if mem_type >= UCS_MEMORY_TYPE_LAST:
@@ -105,8 +123,13 @@ def parse_packed_rkey(
         raise _refuse(
             f"md_map {md_map:#018x} names {md_count} memory domains (> {MAX_MD_MAP_BITS})"
         )
+    return md_map, mem_type
 
-    # Stage 1: one (size, body) per set bit of md_map, driven by md_map, not by the length.
+
+def _md_bodies(data: bytes, md_count: int) -> tuple[list[int], int]:
+    """Stage 1: one (size, body) per set bit of md_map, driven by md_map, not by the
+    length. Returns the body sizes and the position after them."""
+    n = len(data)
     pos = HEADER_BYTES
     sizes: list[int] = []
     for index in range(md_count):
@@ -118,35 +141,25 @@ def parse_packed_rkey(
             raise _refuse(f"md body {index} of {md_count}: {size} bytes run past the end")
         sizes.append(size)
         pos = end
+    return sizes, pos
 
-    if md_map == 0:
-        # The dummy key: UCX reads no sys_dev byte and runs no stage 2.
-        if pos != n:
-            raise _refuse(f"{n - pos} trailing bytes after a key with no memory domains")
-        return PackedRkeyLayout(n, md_map, mem_type, (), None, 0)
 
-    if pos >= n:
-        raise _refuse("sys_dev byte is missing")
-    sys_dev = data[pos]
-    pos += 1
-
+def _distances(data: bytes, pos: int, sys_dev: int) -> tuple[int, int]:
+    """Stage 2: with a known sys_dev, UCX walks 3-byte records until a 0xFF byte, which
+    must be inside the blob. Returns the position after it and the record count."""
+    if sys_dev == SYS_DEVICE_ID_UNKNOWN:
+        return pos, 0
+    n = len(data)
     distances = 0
-    if sys_dev != SYS_DEVICE_ID_UNKNOWN:
-        # Stage 2: UCX walks 3-byte records until a 0xFF byte; it must be inside the blob.
-        while True:
-            if pos >= n:
-                raise _refuse("distance list is not terminated by 0xFF")
-            if data[pos] == SYS_DEVICE_ID_UNKNOWN:
-                pos += 1
-                break
-            if pos + PACKED_DISTANCE_BYTES > n:
-                raise _refuse("distance record runs past the end")
-            pos += PACKED_DISTANCE_BYTES
-            distances += 1
-
-    if pos != n:
-        raise _refuse(f"{n - pos} trailing bytes")
-    return PackedRkeyLayout(n, md_map, mem_type, tuple(sizes), sys_dev, distances)
+    while True:
+        if pos >= n:
+            raise _refuse("distance list is not terminated by 0xFF")
+        if data[pos] == SYS_DEVICE_ID_UNKNOWN:
+            return pos + 1, distances
+        if pos + PACKED_DISTANCE_BYTES > n:
+            raise _refuse("distance record runs past the end")
+        pos += PACKED_DISTANCE_BYTES
+        distances += 1
 
 
 def check_packed_rkey(
