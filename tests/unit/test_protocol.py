@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import msgpack
 import pytest
@@ -36,6 +37,7 @@ from ray_velo.protocol import (
     encode,
     kill_switch_engaged,
 )
+from ray_velo.protocol.messages import NULL_HANDLE
 
 H = DataHandle(0x1122334455667788, 42)
 MESSAGES = [
@@ -79,6 +81,38 @@ def test_missing_fields_mean_the_old_behaviour() -> None:
     assert isinstance(answer, Rdma) and answer.lease_timeout_ms == 0
     # an owner from before the kind field answered Ready
     assert isinstance(decode_acquire_response(msgpack.packb({"lease_id": 1})), Ready)
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireBeforeClaims:
+    """_rv_acquire as an owner from before claims and consumer incarnations decodes it."""
+
+    handle: DataHandle = NULL_HANDLE
+    rdma: RdmaOffer | None = None
+    lease_ms: int = 0
+    budget_ms: int = 0
+    holder_pid: int = 0
+
+
+def test_claims_and_consumer_incarnations_are_additive() -> None:
+    """Version skew both ways: an old consumer's acquire (no claim, no incarnation) means
+    no claim and nothing superseded; an old owner reads a new consumer's acquire as the
+    acquire it knew, and a release or detach with ``claim`` as the plain one."""
+    old = msgpack.packb({"handle": {"hi": 1, "lo": 2}, "lease_ms": 5})
+    request = decode(AcquireRequest, old)
+    assert (request.claim, request.consumer_node, request.consumer_worker) == (False, "", 0)
+    new = AcquireRequest(
+        DataHandle(1, 2), rdma=RdmaOffer(), lease_ms=5, claim=True, consumer_node="b",
+        consumer_worker=9,
+    )  # fmt: skip
+    assert decode(AcquireBeforeClaims, encode(new)) == AcquireBeforeClaims(
+        DataHandle(1, 2), RdmaOffer(), 5
+    )
+    assert (
+        decode(ReleaseRequest, msgpack.packb({"handle": {"hi": 1, "lo": 2}, "lease_id": 3})).claim
+        is False
+    )
+    assert decode(DetachRequest, encode(DetachRequest(DataHandle(1, 2), 3, claim=True))).claim
 
 
 def test_unknown_fields_are_ignored() -> None:
