@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -11,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.config import VeloConfig
+from ray_velo.consumer.fetch import Mode
 
 __all__ = [
     "NAMESPACE",
@@ -30,8 +35,37 @@ __all__ = [
 NAMESPACE = "ray_velo"
 _KV_NAMESPACE = "ray_velo"
 _CONFIG_KEY = b"config"
-#: Concurrent calls one agent serves: pulls for many consumers, acquires, local leases.
-AGENT_MAX_CONCURRENCY = 64
+#: Threads an agent runs its blocking work on (the handlers, mappings, GETs, copies). A
+#: fetch waiting for an owner's answer holds none of them: it is a coroutine.
+AGENT_THREADS = 64
+#: Calls one agent has in progress at once (coroutines: fetches waiting on owners included).
+AGENT_MAX_CONCURRENCY = 4096
+#: The agent's Ray entry points that run on its threads (everything but fetch_remote).
+_BLOCKING_METHODS = (
+    "info",
+    "inject_fault",
+    "stage_reserve",
+    "stage_commit",
+    "stage_abort",
+    "local_acquire",
+    "local_end",
+    "_rv_metadata",
+    "_rv_acquire",
+    "_rv_pull",
+    "_rv_ref",
+    "_rv_detach",
+    "_rv_release",
+    "_rv_lease_renew",
+    "region_alloc",
+    "region_stage",
+    "region_unregister",
+    "region_deregistered",
+    "claim_end",
+    "release_quietly",
+    "route",
+    "ucx_address",
+    "register_peers",
+)
 
 
 def agent_name(node_id: str) -> str:
@@ -39,15 +73,70 @@ def agent_name(node_id: str) -> str:
     return f"ray_velo_agent_{node_id}"
 
 
-class _RendezvousActor(RendezvousAgent):
-    """The agent as a Ray actor: records its worker id for routing."""
+class _RendezvousActor:
+    """The agent as an asyncio Ray actor.
+
+    Every entry point but ``fetch_remote`` runs the plain agent's method on one of
+    :data:`AGENT_THREADS` threads; ``fetch_remote`` is a coroutine whose waits on the owner
+    hold no thread, so fetches hanging on a stalled owner never starve the others (nor the
+    owner handlers this agent serves). It records its worker id for routing.
+    """
 
     def __init__(self, config: VeloConfig, node_id: str) -> None:
-        super().__init__(config, node_id)
+        # The blocking calls run on our own threads, never on the event loop.
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
+        self.agent = RendezvousAgent(config, node_id)
+        self.worker_id = self.agent.worker_id
+        self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
         internal_kv._internal_kv_put(
             _worker_key(self.worker_id), node_id.encode(), overwrite=True, namespace=_KV_NAMESPACE
         )
 
+    async def blocking(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the agent's threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(fn, *args))
+
+    async def ping(self) -> int:
+        return self.worker_id
+
+    async def fetch_remote(
+        self,
+        handle: Any,
+        mode: Mode,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        into_reservation: int = 0,
+    ) -> Any:
+        """The consumer's fetch (see ``ConsumerService.fetch_async``)."""
+        return await self.agent.consumer.fetch_async(
+            handle,
+            mode,
+            timeout_s,
+            pid,
+            bound,
+            self.blocking,
+            into_reservation,
+        )
+
+    async def shutdown(self) -> dict[str, int]:
+        """The agent's shutdown, then its threads (the call itself runs on one)."""
+        freed: dict[str, int] = await self.blocking(self.agent.shutdown)
+        self._threads.shutdown(wait=False)
+        return freed
+
+
+def _delegate(name: str) -> Any:
+    async def call(self: _RendezvousActor, *args: Any) -> Any:
+        return await self.blocking(getattr(self.agent, name), *args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+for _name in _BLOCKING_METHODS:
+    setattr(_RendezvousActor, _name, _delegate(_name))
 
 RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(  # type: ignore[call-overload]
     _RendezvousActor

@@ -10,6 +10,8 @@ runs out raises what ``on_timeout`` builds (a :class:`~ray_velo.errors.TransferT
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import traceback
 from collections.abc import Callable
 from typing import Any, Literal
@@ -17,9 +19,9 @@ from typing import Any, Literal
 import ray
 from ray import exceptions as ray_errors
 
-from ray_velo.errors import AgentDied, OwnerDied, VeloError
+from ray_velo.errors import AgentDied, OwnerDied, OwnerUnreachable, VeloError
 
-__all__ = ["Peer", "clear_ray_frames", "map_ray_error", "wait"]
+__all__ = ["Peer", "clear_ray_frames", "map_ray_error", "wait", "wait_async"]
 
 Peer = Literal["agent", "owner"]
 
@@ -49,6 +51,10 @@ def map_ray_error(
             return cause
         whom = "this node's agent" if peer == "agent" else f"owner of {handle} on node {node}"
         return VeloError(f"{whom} failed: {cause!r}")
+    if isinstance(exc, ray_errors.ActorUnavailableError):  # a RayActorError, but not death
+        if peer == "agent":
+            return AgentDied()
+        return OwnerUnreachable(handle=str(handle), node=node)
     dead = (
         ray_errors.RayActorError,
         ray_errors.NodeDiedError,
@@ -99,3 +105,48 @@ def wait(
         raise error from cause  # type: ignore[misc]
     finally:
         error = cause = None
+
+
+async def wait_async(
+    submit: Callable[[], Any],
+    remaining: Callable[[], float | None],
+    *,
+    peer: Peer,
+    on_timeout: Callable[[], BaseException],
+    handle: object = None,
+    node: str | None = None,
+) -> Any:
+    """Await the call ``submit()`` makes, within what ``remaining()`` says is left, Ray's
+    errors mapped as :func:`wait` does, without holding a thread while it waits.
+
+    A callee Ray reports *unavailable* (stalled or restarting, not dead) is called again,
+    every 0.5 s, until the bound runs out (then ``on_timeout()``), so a stalled owner ends
+    the fetch with the caller's timeout and a dead one with OwnerDied.
+    """
+    while True:
+        ref = submit()
+        left = remaining()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), left)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)
+            error: BaseException | None = on_timeout()
+            cause: BaseException | None = None
+        except ray_errors.ActorUnavailableError as exc:
+            clear_ray_frames(exc)
+            left = remaining()
+            if left is None or left > 0:
+                await asyncio.sleep(0.5 if left is None else min(0.5, left))
+                continue
+            error, cause = on_timeout(), None
+        except ray_errors.RayError as exc:
+            clear_ray_frames(exc)
+            error = map_ray_error(exc, peer=peer, handle=handle, node=node)
+            if error is exc:
+                raise
+            cause = None if isinstance(exc, ray_errors.RayTaskError) else exc
+        try:
+            raise error from cause  # type: ignore[misc]
+        finally:
+            error = cause = None

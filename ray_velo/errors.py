@@ -27,6 +27,7 @@ __all__ = [
     "MemoryError_",
     "NotInitialized",
     "OwnerDied",
+    "OwnerUnreachable",
     "PayloadTooLarge",
     "PoolExhausted",
     "ProtocolError",
@@ -260,6 +261,19 @@ class OwnerDied(TransferError):
         return (
             f"owner of handle {f.get('handle')} on node {f.get('node')} died or left the "
             "cluster; its staged data is lost, stage it again"
+        )
+
+
+class OwnerUnreachable(TransferError):
+    """Ray reports the owner's agent unavailable (stalled, or being restarted), not dead.
+    Fields: ``handle``, ``node``."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"owner of handle {f.get('handle')} on node {f.get('node')} does not answer (Ray "
+            "reports it unavailable, not dead): it may be stalled or restarting; retry later "
+            "or bound the fetch with timeout="
         )
 
 

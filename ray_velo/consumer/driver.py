@@ -45,7 +45,7 @@ from ray_velo.consumer.fetch import (
     Stage,
     WithdrawWriter,
 )
-from ray_velo.consumer.links import OwnerLink, acquire
+from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.core import AgentCore
 from ray_velo.errors import DescriptorError, UcxError
@@ -128,15 +128,28 @@ class _Run:
         self.dest = _Destination(writer_buffer, None, writer_buffer is not None)
         self.local: tuple[Any, int] | None = None  # (local slot, reader's lease id)
 
-    def request(self, instruction: Instruction) -> Event:
+    async def request(self, instruction: Instruction, blocking: Blocking) -> Event:
+        """Perform a request: the calls to the owner awaited, the rest through ``blocking``
+        (off the event loop); what it raised becomes a Failed event."""
         try:
-            return self._request(instruction)
+            if isinstance(instruction, Acquire):
+                return await self._acquire(instruction)
+            if isinstance(instruction, Pull):
+                await self.link.pull(
+                    instruction.answer,
+                    self.dest.buffer.view(),
+                    self.core.config.pulls_in_flight,
+                    self.deadline,
+                    self.handle,
+                    blocking,
+                )
+                return Pulled()
+            event: Event = await blocking(self._request_blocking, instruction)
+            return event
         except Exception as exc:
             return Failed(exc)
 
-    def _request(self, instruction: Instruction) -> Event:
-        if isinstance(instruction, Acquire):
-            return self._acquire(instruction)
+    def _request_blocking(self, instruction: Instruction) -> Event:
         if isinstance(instruction, CheckDescriptor):
             try:
                 return Decoded(
@@ -150,18 +163,9 @@ class _Run:
             return self._allocate(instruction)
         if isinstance(instruction, Get):
             return self._get(instruction)
-        if isinstance(instruction, Pull):
-            self.link.pull(
-                instruction.answer,
-                self.dest.buffer.view(),
-                self.core.config.pulls_in_flight,
-                self.deadline,
-                self.handle,
-            )
-            return Pulled()
         raise AssertionError(f"not a request: {instruction!r}")
 
-    def _acquire(self, instruction: Acquire) -> Event:
+    async def _acquire(self, instruction: Acquire) -> Event:
         budget = self.deadline.budget_ms()
         request = AcquireRequest(
             self.handle,
@@ -172,7 +176,7 @@ class _Run:
             consumer_node=self.core.node_id,
             consumer_worker=self.core.worker_id,
         )
-        return Answered(acquire(self.link, request, self.deadline))
+        return Answered(await acquire(self.link, request, self.deadline))
 
     def _allocate(self, instruction: Allocate) -> Event:
         core = self.core
@@ -312,17 +316,19 @@ class FetchDriver:
         self.core = core
         self.peers = peers
 
-    def run(
+    async def run(
         self,
         link: OwnerLink,
         handle: DataHandle,
         mode: Mode,
         deadline: Deadline,
         pid: int,
+        blocking: Blocking,
         writer_rid: int = 0,
         writer_buffer: Any = None,
     ) -> LocalLease:
         """Fetch ``handle`` from ``link``'s owner; a lease on the local result for ``pid``.
+        Waiting on the owner holds no thread; blocking work goes through ``blocking``.
 
         Raises:
             HandleNotFound, HandleReleased, OwnerDied, TransferTimeout, PayloadTooLarge,
@@ -345,13 +351,14 @@ class FetchDriver:
             event: Event | None = None
             for instruction in pending:
                 if isinstance(instruction, Done):
-                    return self._finish(run, instruction, started)
+                    lease: LocalLease = await blocking(self._finish, run, instruction, started)
+                    return lease
                 if isinstance(instruction, Fail):
                     raise instruction.error
                 if isinstance(instruction, (Acquire, CheckDescriptor, Allocate, Get, Pull)):
-                    event = run.request(instruction)
+                    event = await run.request(instruction, blocking)
                 else:
-                    run.act(instruction)
+                    await blocking(run.act, instruction)
             assert event is not None, f"no request among {pending}"
             pending = machine.on(event)
 

@@ -8,7 +8,9 @@ chunked pulls. :class:`RayOwnerLink` carries them as Ray actor calls to the owne
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -24,7 +26,11 @@ from ray_velo.protocol import (
     encode,
 )
 
-__all__ = ["OwnerLink", "RayOwnerLink", "check_chunk"]
+__all__ = ["Blocking", "OwnerLink", "RayOwnerLink", "acquire", "check_chunk", "inline"]
+
+T = TypeVar("T")
+#: Runs a blocking call off the event loop: ``await blocking(fn, *args)``.
+Blocking = Callable[..., Awaitable[Any]]
 
 
 class OwnerLink(Protocol):
@@ -46,15 +52,23 @@ class OwnerLink(Protocol):
         """Run handler ``method`` without waiting (lease ends, renewals); never raises."""
         ...
 
-    def pull(
+    async def call_async(
+        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+    ) -> Any:
+        """:meth:`call`, awaited: the waiting holds no thread."""
+        ...
+
+    async def pull(
         self,
         answer: Ready,
         dest: memoryview,
         in_flight: int,
         deadline: Deadline,
         handle: DataHandle,
+        blocking: Blocking,
     ) -> None:
-        """Pull every chunk of ``answer`` into ``dest``, ``in_flight`` at a time."""
+        """Pull every chunk of ``answer`` into ``dest``, ``in_flight`` at a time; copies run
+        through ``blocking`` (off the event loop)."""
         ...
 
     def ucx_address(self, deadline: Deadline) -> tuple[int, bytes | None]:
@@ -62,10 +76,15 @@ class OwnerLink(Protocol):
         ...
 
 
-def acquire(link: OwnerLink, request: AcquireRequest, deadline: Deadline) -> Ready | Rdma:
+async def acquire(link: OwnerLink, request: AcquireRequest, deadline: Deadline) -> Ready | Rdma:
     """``_rv_acquire`` on ``link``, its answer decoded."""
-    data = link.call("_rv_acquire", encode(request), deadline, request.handle)
+    data = await link.call_async("_rv_acquire", encode(request), deadline, request.handle)
     return decode_acquire_response(data)
+
+
+async def inline(fn: Callable[..., T], *args: Any) -> T:
+    """A :data:`Blocking` that runs ``fn`` right here (no event loop to keep free)."""
+    return fn(*args)
 
 
 def check_chunk(chunk: Any, index: int, answer: Ready, handle: DataHandle) -> int:
@@ -120,45 +139,52 @@ class RayOwnerLink:
         )
         return int(worker_id), address
 
-    def pull(
+    async def call_async(
+        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+    ) -> Any:
+        from ray_velo.calls import wait_async
+
+        return await wait_async(
+            lambda: getattr(self.actor, method).remote(message),
+            deadline.remaining,
+            peer="owner",
+            on_timeout=lambda: deadline.timeout_error(handle),
+            handle=handle,
+            node=self.node,
+        )
+
+    async def pull(
         self,
         answer: Ready,
         dest: memoryview,
         in_flight: int,
         deadline: Deadline,
         handle: DataHandle,
+        blocking: Blocking,
     ) -> None:
         """Chunks land as they complete, in any order; each is copied once into ``dest``
-        and its Ray object dropped at once, so the object store does not fill up."""
-        import ray
-
-        from ray_velo.calls import wait
-
+        (off the event loop) and its Ray object dropped at once, so the object store does
+        not fill up."""
         target = np.frombuffer(dest, dtype=np.uint8, count=answer.total_len)
-        pending: dict[Any, int] = {}
+        pending: dict[asyncio.Future[Any], int] = {}
         next_index = 0
+
+        async def one(index: int) -> Any:
+            message = encode(PullRequest(answer.transfer_id, index))
+            return await self.call_async("_rv_pull", message, deadline, handle)
+
         try:
             while next_index < answer.chunk_count or pending:
                 while next_index < answer.chunk_count and len(pending) < in_flight:
-                    message = encode(PullRequest(answer.transfer_id, next_index))
-                    pending[self.actor._rv_pull.remote(message)] = next_index
+                    pending[asyncio.ensure_future(one(next_index))] = next_index
                     next_index += 1
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=deadline.remaining())
-                if not done:
-                    raise deadline.timeout_error(handle)
-                for ref in done:
-                    index = pending.pop(ref)
-                    chunk = wait(
-                        ref,
-                        deadline.remaining(),
-                        peer="owner",
-                        on_timeout=lambda: deadline.timeout_error(handle),
-                        handle=handle,
-                        node=self.node,
-                    )
+                done, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = pending.pop(task)
+                    chunk = task.result()
                     start = check_chunk(chunk, index, answer, handle)
-                    np.copyto(target[start : start + len(chunk)], chunk)
+                    await blocking(np.copyto, target[start : start + len(chunk)], chunk)
                     del chunk
         finally:
-            for ref in pending:
-                ray.cancel(ref)
+            for task in pending:
+                task.cancel()

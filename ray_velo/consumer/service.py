@@ -10,6 +10,7 @@ may have ended there (released, TTL), and a consuming fetch claims its reference
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.driver import FetchDriver
 from ray_velo.consumer.fetch import Mode
-from ray_velo.consumer.links import OwnerLink, acquire
+from ray_velo.consumer.links import Blocking, OwnerLink, acquire, inline
 from ray_velo.consumer.peers import Peers
 from ray_velo.core import AgentCore
 from ray_velo.errors import HandleNotFound, LeaseNotFound, OwnerDied, StagingError
@@ -58,7 +59,24 @@ class ConsumerService:
         bound: str,
         writer_rid: int = 0,
     ) -> LocalLease:
-        """Bring ``handle``'s bytes to this node and lease them to ``pid``.
+        """:meth:`fetch_async` from synchronous code (no event loop to keep free)."""
+        return asyncio.run(
+            self.fetch_async(handle, mode, timeout_s, pid, bound, inline, writer_rid)
+        )
+
+    async def fetch_async(
+        self,
+        handle: DataHandle,
+        mode: Mode,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        blocking: Blocking,
+        writer_rid: int = 0,
+    ) -> LocalLease:
+        """Bring ``handle``'s bytes to this node and lease them to ``pid``. Waiting on the
+        owner holds no thread (a stalled owner cannot starve fetches from healthy ones);
+        blocking work (mapping, the GET, copies) goes through ``blocking``.
 
         ``mode``: ``release`` (consume one reference), ``claim`` (a transparent resolution:
         claim one, consumed or given back with :meth:`claim_end`), ``detach`` (the handle
@@ -76,43 +94,47 @@ class ConsumerService:
         try:
             deadline = Deadline.start(timeout_s, bound, self.core.clock)
             if writer_rid:
-                return self._into_writer(handle, deadline, pid, writer_rid)
-            return self._fetch(handle, mode, deadline, pid)
+                return await self._into_writer(handle, deadline, pid, writer_rid, blocking)
+            return await self._fetch(handle, mode, deadline, pid, blocking)
         finally:
             with self._inflight_cond:
                 self._inflight -= 1
                 self._inflight_cond.notify_all()
 
-    def _fetch(self, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int) -> LocalLease:
-        link = self.peers.link(handle)
+    async def _fetch(
+        self, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int, blocking: Blocking
+    ) -> LocalLease:
+        link = await blocking(self.peers.link, handle)
         if mode != "hold":
-            cached = self._from_copy(link, handle, mode, deadline, pid)
+            cached = await self._from_copy(link, handle, mode, deadline, pid)
             if cached is not None:
                 return cached
         try:
-            return self.driver.run(link, handle, mode, deadline, pid)
+            return await self.driver.run(link, handle, mode, deadline, pid, blocking)
         except OwnerDied:
             if not self.peers.forget(link):
                 raise
         # The cached link was to a dead incarnation; a new agent may serve the node now (it
         # answers HandleNotFound for the old one's handles).
-        return self.driver.run(self.peers.link(handle), handle, mode, deadline, pid)
+        link = await blocking(self.peers.link, handle)
+        return await self.driver.run(link, handle, mode, deadline, pid, blocking)
 
-    def _into_writer(
-        self, handle: DataHandle, deadline: Deadline, pid: int, writer_rid: int
+    async def _into_writer(
+        self, handle: DataHandle, deadline: Deadline, pid: int, writer_rid: int, blocking: Blocking
     ) -> LocalLease:
         core = self.core
         with core.lock:
             pending = core.state.fill_begin(writer_rid)  # its buffer stays until we end
         try:
-            return self.driver.run(
-                self.peers.link(handle), handle, "hold", deadline, pid, writer_rid, pending.buffer
+            link = await blocking(self.peers.link, handle)
+            return await self.driver.run(
+                link, handle, "hold", deadline, pid, blocking, writer_rid, pending.buffer
             )
         finally:
             with core.changing() as fx:
                 core.state.fill_end(writer_rid, fx)
 
-    def _from_copy(
+    async def _from_copy(
         self, link: OwnerLink, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int
     ) -> LocalLease | None:
         """Serve from a live node-local copy, once the owner agreed (see the module
@@ -125,14 +147,15 @@ class ConsumerService:
                 return None
             local = core.handle(copy.slot_id)
             lease = core.state.store.acquire(local, core.clock(), kind="local", holder_pid=pid)
+        request = AcquireRequest(
+            handle,
+            lease_ms=deadline.budget_ms(),
+            claim=mode in ("release", "claim"),
+            consumer_node=core.node_id,
+            consumer_worker=core.worker_id,
+        )
         try:
-            answer = acquire(
-                link,
-                AcquireRequest(
-                    handle, claim=mode in ("release", "claim"), lease_ms=deadline.budget_ms()
-                ),
-                deadline,
-            )
+            answer = await acquire(link, request, deadline)
         except BaseException:
             with core.changing() as fx:
                 core.state.lease_end(local, lease.lease_id, False, core.clock(), fx)

@@ -12,6 +12,7 @@ import numpy as np
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.config import RdmaConfig, RdmaPoolConfig, RdmaRendezvousConfig, VeloConfig
 from ray_velo.consumer.deadline import Deadline
+from ray_velo.consumer.links import Blocking, OwnerLink
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.local.records import LocalLease
 from ray_velo.memory.arena import SegmentMap
@@ -51,13 +52,19 @@ class InProcessLink:
         except VeloError:
             return
 
-    def pull(
+    async def call_async(
+        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+    ) -> Any:
+        return self.call(method, message, deadline, handle)
+
+    async def pull(
         self,
         answer: Ready,
         dest: memoryview,
         in_flight: int,
         deadline: Deadline,
         handle: DataHandle,
+        blocking: Blocking,
     ) -> None:
         from ray_velo.consumer.links import check_chunk
 
@@ -83,7 +90,7 @@ class InProcessPeers:
         self.rdma = consumer_rdma
         self.owner_link = link
 
-    def link(self, handle: DataHandle) -> InProcessLink:
+    def link(self, handle: DataHandle) -> OwnerLink:
         if handle.worker_id != self.owner_link.agent.worker_id:
             raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
         return self.owner_link

@@ -41,6 +41,7 @@ FIELDS: dict[str, dict[str, Any]] = {
     "MemoryError_": {"requested_bytes": 4096},
     "NotInitialized": {},
     "OwnerDied": {"handle": "00000000deadbeef:7", "node": "node-b"},
+    "OwnerUnreachable": {"handle": "00000000deadbeef:7", "node": "node-b"},
     "PayloadTooLarge": {
         "handle": "00000000deadbeef:7",
         "size_bytes": 3 << 30,
