@@ -39,7 +39,7 @@ from ray_velo.local.records import LocalLease, RegionInfo, Reservation
 from ray_velo.local.regions import RegionService
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
-from ray_velo.owner.state import OwnerState
+from ray_velo.owner.state import OwnerState, RegionSlot
 from ray_velo.protocol import DataHandle, TypeHeader, kill_switch_engaged
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
@@ -51,7 +51,13 @@ _log = logging.getLogger(__name__)
 #: How often the agent checks that the processes it serves are still alive, while any are.
 LIVENESS_INTERVAL_S = 1.0
 _START_UCX: Any = object()  # the default of RendezvousAgent(rdma=...): start UCX if it loads
-_FAULTS = ("corrupt_descriptors", "stall_before_get_s", "fail_gets", "answer_rdma_without_offer")
+_FAULTS = (
+    "corrupt_descriptors",
+    "stall_before_get_s",
+    "fail_gets",
+    "answer_rdma_without_offer",
+    "slow_pulls_s",
+)
 
 
 def _start_rdma(config: VeloConfig) -> UcxRdmaBackend | None:
@@ -181,7 +187,8 @@ class RendezvousAgent:
         descriptor. ``stall_before_get_s``: the consumer holds its RDMA lease this long
         before each GET, renewing it, as a slow GET would. ``fail_gets``: the consumer's next
         N GETs fail as a broken transport's would. ``answer_rdma_without_offer``: the next N
-        acquires without an offer are answered RDMA anyway (a broken owner)."""
+        acquires without an offer are answered RDMA anyway (a broken owner). ``slow_pulls_s``:
+        the owner answers each chunk this much later (a slow link)."""
         if name not in _FAULTS:
             raise ValueError(f"unknown fault {name!r}")
         with self.core.lock:
@@ -302,31 +309,108 @@ class RendezvousAgent:
 
     # --- shutdown --------------------------------------------------------------------
 
-    def shutdown(self) -> dict[str, int]:
-        """Drain and release everything: timers, fetches, slots, regions, arenas, UCX.
-        Returns what was freed."""
+    def shutdown(self, timeout_s: float | None = None) -> dict[str, int]:
+        """The spec's shutdown order, under one bound (``timeout_s``, else the config's
+        ``shutdown_timeout``, else 30 s):
+
+        1. gate: no new reservation, region or fetch; acquires answer chunked (``draining``);
+        2. stop the reaper (the timer);
+        3. demote: copy every registered slot to plain memory, so a chunked pull admitted
+           before the gate still finishes;
+        4. drain the GETs: this agent's own fetches, the RDMA leases on its memory, and the
+           reads of what fetches brought during the drain;
+        5. deregister regions, then arenas (before UCX: pages outlive registrations);
+        6. drain the chunked pulls still running (the messenger half, remaining time);
+        7. free every slot, unmap the plain pool, tear UCX down.
+
+        A drain that runs out of time is logged and the steps after it run anyway: a GET
+        still in flight then fails at the consumer. Returns what each step did.
+        """
         core = self.core
+        bound = timeout_s if timeout_s is not None else core.config.rdma.shutdown_timeout
+        deadline = time.monotonic() + (bound if bound is not None else 30.0)
         with core.lock:
             if core.closed:
                 return {"slots": 0}
             core.state.store.begin_drain()
             core.closed = True
+            report = {
+                "fetches_at_gate": self.consumer.inflight,
+                "gets_at_gate": core.state.store.leases_of("rdma"),
+                "pulls_at_gate": core.state.store.leases_of("chunked"),
+            }
         if self._ticker is not None:
             self._ticker.stop()
-        # Fetches in flight finish (or fail) before their memory and UCX go away.
-        bound = core.config.rdma.shutdown_timeout or 30.0
-        if not self.consumer.wait_idle(bound):
+        report["demoted"] = self._demote()
+        report["gets_drained"] = int(self._drain_gets(deadline))
+        with core.changing() as fx:
+            core.state.release_demoted(fx)
+        self.regions.close()
+        # A fetch of ours still running may be inside a GET into the registered pool:
+        # never unmap under it (the files go; the pages go with the process).
+        core.memory.close_registered(unmap=self.consumer.inflight == 0)
+        store = core.state.store
+        report["pulls_drained"] = int(
+            core.wait_until(lambda: store.leases_of("chunked") == 0, deadline)
+        )
+        if not report["pulls_drained"]:
             _log.warning(
-                "ray_velo: %d fetches still running after %.0f s; shutting down anyway",
-                self.consumer.inflight,
-                bound,
+                "ray_velo: %d chunked pulls still running at the shutdown bound; ending them",
+                store.leases_of("chunked"),
             )
         with core.changing() as fx:
-            freed = core.state.clear(core.clock(), fx)
+            report["slots"] = core.state.clear(core.clock(), fx)
         core.commits.release_all()
-        self.regions.close()
         core.memory.close()
         if core.rdma is not None:  # after every unmap: endpoints and worker go last
             core.rdma.close()
             core.rdma = None
-        return {"slots": freed}
+        return report
+
+    def _demote(self) -> int:
+        """Step 3: copy each registered slot into plain memory (outside the lock; the read
+        gate keeps its bytes meanwhile). A slot plain memory cannot hold stays registered
+        until step 5; its pulls then fail. Returns the slots moved."""
+        core = self.core
+        with core.lock:
+            slots = core.state.demotion_begin()
+        moved = 0
+        for slot in slots:
+            fid = None
+            try:
+                placement = core.memory.allocate_plain(slot.total_len, core.clock())
+                with core.lock:
+                    fid = core.state.fetch_take(placement, False)
+                source = slot.location
+                if isinstance(source, RegionSlot):
+                    source.region.copy_into(source.offset, placement.view()[: slot.total_len])
+                else:
+                    placement.view()[: slot.total_len] = source.view()[: slot.total_len]
+            except Exception:  # one slot's copy must not stop the shutdown
+                _log.warning("ray_velo: could not demote slot %d", slot.slot_id, exc_info=True)
+                if fid is not None:
+                    with core.changing() as fx:
+                        core.state.fetch_give_back(fid, fx)
+                fid = None
+            with core.changing() as fx:
+                moved += core.state.demote(slot, fid, core.clock(), fx)
+        return moved
+
+    def _drain_gets(self, deadline: float) -> bool:
+        """Step 4: this agent's fetches end, the RDMA leases on its memory end, and so do
+        the reads of fetches that finished during the drain (their reader maps the copy,
+        which may sit in registered memory, after the fetch returns)."""
+        store = self.core.state.store
+        fetches = self.consumer.wait_idle(max(0.0, deadline - time.monotonic()))
+        leases = self.core.wait_until(
+            lambda: store.leases_of("rdma") == 0 and store.late_reads == 0, deadline
+        )
+        if not (fetches and leases):
+            _log.warning(
+                "ray_velo: at the shutdown bound %d fetches, %d RDMA leases and %d reads were "
+                "still live; unmapping anyway (their GETs fail at the consumer)",
+                self.consumer.inflight,
+                store.leases_of("rdma"),
+                store.late_reads,
+            )
+        return fetches and leases

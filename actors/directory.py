@@ -120,9 +120,9 @@ class _RendezvousActor:
             into_reservation,
         )
 
-    async def shutdown(self) -> dict[str, int]:
+    async def shutdown(self, timeout_s: float | None = None) -> dict[str, int]:
         """The agent's shutdown, then its threads (the call itself runs on one)."""
-        freed: dict[str, int] = await self.blocking(self.agent.shutdown)
+        freed: dict[str, int] = await self.blocking(self.agent.shutdown, timeout_s)
         self._threads.shutdown(wait=False)
         return freed
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import weakref
 from typing import Any
 
@@ -106,35 +107,43 @@ def is_initialized() -> bool:
     return session._session is not None
 
 
-def shutdown(*, stop_ray: bool | None = None) -> None:
-    """Stop every agent cleanly (slots freed, segments unlinked, timers stopped).
+def shutdown(*, stop_ray: bool | None = None) -> dict[str, dict[str, int]]:
+    """Stop every agent in the spec's shutdown order (docs/transfer.md): transfers admitted
+    before it finish, within each agent's ``shutdown_timeout``; slots freed, segments
+    unlinked, timers stopped. Returns each node's report (what its drain found and did).
 
     ``stop_ray`` defaults to True only when :func:`init` started Ray itself.
     """
     global _started_ray
     if not ray.is_initialized():
         session.forget()
-        return
+        return {}
     state = session._session
     if state is not None:
         state.segments.close_all()
-    agents = []
+    agents = {}
     for node in ray.nodes():  # type: ignore[no-untyped-call]
         try:
-            agents.append(ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE))
+            agents[node["NodeID"]] = ray.get_actor(agent_name(node["NodeID"]), namespace=NAMESPACE)
         except ValueError:
             continue
-    try:
-        bound = (state.config.rdma.shutdown_timeout if state else None) or 30.0
-        ray.get([agent.shutdown.remote() for agent in agents], timeout=bound + 30)
-    except ray_errors.RayError:
-        _log.warning("ray_velo: an agent did not shut down cleanly", exc_info=True)
-    for agent in agents:
+    reports: dict[str, dict[str, int]] = {}
+    bound = (state.config.rdma.shutdown_timeout if state else None) or 30.0
+    pending: dict[str, Any] = {node: agent.shutdown.remote() for node, agent in agents.items()}
+    deadline = time.monotonic() + bound + 30  # all agents drain at once, under one bound
+    for node, ref in pending.items():
+        try:
+            report = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            reports[node] = dict(report)
+        except ray_errors.RayError:
+            _log.warning("ray_velo: the agent on node %s did not shut down cleanly", node)
+    for agent in agents.values():
         ray.kill(agent)
     session.forget()
     if stop_ray if stop_ray is not None else _started_ray:
         ray.shutdown()
         _started_ray = False
+    return reports
 
 
 # --- staging ---------------------------------------------------------------------------

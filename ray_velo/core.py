@@ -94,9 +94,12 @@ class AgentCore:
     #: Fault injection for the fault tests only (see the agent's inject_fault).
     faults: dict[str, float] = field(default_factory=dict)
     closed: bool = False
+    #: Notified after every change (shutdown's drain waits on it).
+    changed: threading.Condition = field(init=False)
 
     def __post_init__(self) -> None:
         self.commits = CommitGate(self.worker_id)
+        self.changed = threading.Condition(self.lock)
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[Effects]:
@@ -104,9 +107,17 @@ class AgentCore:
         fx = Effects()
         try:
             with self.lock:
-                yield fx
+                try:
+                    yield fx
+                finally:
+                    self.changed.notify_all()
         finally:
             self.perform(fx)
+
+    def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """Wait (under the lock) until ``ready()`` or the monotonic ``deadline``; says which."""
+        with self.lock:
+            return self.changed.wait_for(ready, max(0.0, deadline - time.monotonic()))
 
     def perform(self, fx: Effects) -> None:
         """Give buffers back, release anchors, poke the timer (outside the lock)."""

@@ -173,6 +173,7 @@ class SlotStore:
         self._ttl_slots: dict[int, Slot] = {}
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
+        self._late_reads: set[int] = set()  # local leases granted while draining
         self._slot_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
 
@@ -290,6 +291,16 @@ class SlotStore:
         """Bytes of every slot whose bytes are held."""
         return sum(s.total_len for s in self._slots.values())
 
+    def leases_of(self, kind: LeaseKind) -> int:
+        """Leases of ``kind`` held now (shutdown drains ``rdma``, then ``chunked``)."""
+        return sum(1 for lease in self._leases.values() if lease.kind == kind)
+
+    @property
+    def late_reads(self) -> int:
+        """Local leases granted while draining, still held: a fetch that finished during the
+        drain, whose reader maps the copy before the files go."""
+        return len(self._late_reads)
+
     # --- leases and claims -----------------------------------------------------------
 
     def acquire(
@@ -329,6 +340,8 @@ class SlotStore:
             consumer=consumer,
         )
         self._leases[lease.lease_id] = lease
+        if self.draining and kind == "local":
+            self._late_reads.add(lease.lease_id)
         slot.leases.add(lease.lease_id)
         if lease.deadline is not None:
             self._timed_leases[lease.lease_id] = lease
@@ -438,6 +451,7 @@ class SlotStore:
     def _drop_lease(self, slot: Slot, lease: Lease) -> None:
         del self._leases[lease.lease_id]
         self._timed_leases.pop(lease.lease_id, None)
+        self._late_reads.discard(lease.lease_id)
         slot.leases.discard(lease.lease_id)
 
     def _unref(
@@ -542,9 +556,12 @@ class SlotStore:
         """From now on the owner answers no descriptor (reason ``draining``)."""
         self.draining = True
 
-    def relocate(self, handle: DataHandle, location: Any, *, kind: SlotKind, pinned: bool) -> Any:
-        """Move a slot's bytes elsewhere (drain demotes pinned slots); returns the old location."""
-        slot = self.held(handle)
+    def relocate(self, slot_id: int, location: Any, *, kind: SlotKind, pinned: bool) -> Any:
+        """Move a held slot's bytes elsewhere (shutdown demotes registered slots to plain
+        memory); returns the old location, or None when the slot's bytes are gone."""
+        slot = self._slots.get(slot_id)
+        if slot is None:
+            return None
         old = slot.location
         slot.location, slot.kind, slot.pinned = location, kind, pinned
         return old
@@ -605,6 +622,8 @@ class SlotStore:
             self._validate_slot(slot_id, slot)
         for lease_id in self._timed_leases:
             _check(lease_id in self._leases, f"timed lease {lease_id} is not held")
+        for lease_id in self._late_reads:
+            _check(self._leases.get(lease_id) is not None, f"late read {lease_id} is not held")
         for slot_id in self._ttl_slots:
             _check(slot_id in self._slots, f"TTL on freed slot {slot_id}")
         counters = self.counters

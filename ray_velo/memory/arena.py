@@ -233,6 +233,12 @@ class ShmArena:
             )
         return memoryview(buffer)[offset : offset + length]
 
+    def unlink(self) -> None:
+        """Remove the file now and keep the mapping (shutdown abandons memory a GET may
+        still write: the pages go with the process)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+
     def close(self) -> bool:
         """Unlink the file and unmap; idempotent.
 

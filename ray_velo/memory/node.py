@@ -170,6 +170,17 @@ class NodeMemory:
     def plain_used_bytes(self) -> int:
         return self.plain_pool.used_bytes
 
+    def close_registered(self, *, unmap: bool = True) -> None:
+        """Unregister, unmap and unlink the registered pool's arenas (shutdown, before UCX
+        goes; the plain pool stays for the pulls still draining). ``unmap=False``: a GET
+        into them may still run, so only their files go (:meth:`ArenaPool.abandon`)."""
+        if self.pinned_pool is None:
+            return
+        if unmap:
+            self.pinned_pool.close()
+        else:
+            self.pinned_pool.abandon()
+
     def close(self) -> None:
         """Unregister, unmap and unlink every arena (quarantined memory included)."""
         if self.pinned_pool is not None:

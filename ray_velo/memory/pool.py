@@ -735,6 +735,30 @@ class ArenaPool:
             for record in records:
                 self._unmap(record)
 
+    def abandon(self) -> int:
+        """Close without unmapping: every file is unlinked, every mapping and registration
+        stays, for the life of the process (shutdown when a GET into this memory may still
+        be running; UCX's teardown drops the registrations). Logged at error. Returns the
+        bytes left mapped."""
+        with self._map_lock:
+            with self._lock:
+                if self._closed:
+                    return 0
+                self._closed = True
+                records = [*self._records.values(), *self._warm, *self._evicting]
+                self._records, self._pooled, self._warm, self._evicting = {}, [], [], []
+                _LEAKED_FOREVER.extend(records)
+            for record in records:
+                record.arena.unlink()
+        nbytes = sum(r.arena.nbytes for r in records)
+        if records:
+            _log.error(
+                "a GET may still write %d arenas (%d bytes): left mapped until the process ends",
+                len(records),
+                nbytes,
+            )
+        return nbytes
+
     def __del__(self) -> None:
         # A pool torn down without close(): registered pages must not be unmapped under the
         # backend, so keep them (the spec's leak, logged at error). Plain arenas just close.

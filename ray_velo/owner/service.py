@@ -10,6 +10,7 @@ lock and returns; buffers freed by the change go back to their pools after the l
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -186,11 +187,14 @@ class OwnerService:
         """
         request = decode(PullRequest, data)
         core = self.core
+        slow = core.faults.get("slow_pulls_s", 0.0)
+        if slow > 0:  # the fault tests' slow link
+            time.sleep(slow)
         with core.lock:
             plan = core.state.pull(
                 request.transfer_id, request.index, core.config.chunk_size, core.clock()
             )
-        location = plan.slot.location
+            location = plan.slot.location  # under the lock: shutdown may demote the slot
         if plan.view:
             view = location.view()
             return np.frombuffer(view, dtype=np.uint8, count=plan.length, offset=plan.start)

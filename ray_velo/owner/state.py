@@ -17,6 +17,8 @@ exactly one holder, and moves between holders only through this class:
     fetch:<id>          the destination of a fetch (or a region copy) in progress
     parked:<id>         a freed slot's bytes, waiting for a copy out of them to end
     grace:<id>          a freed slot's bytes, waiting out the pull grace
+    demoted:<id>        shutdown moved the slot to plain memory; its registered bytes wait
+                        for the GETs admitted before the gate
     quarantine          memory a timed-out GET may still write: never given back
 
 A buffer leaves the ledger only to go back to its pool (``Effects.free``), once. A second
@@ -148,6 +150,7 @@ class OwnerState:
         self._copies: dict[DataHandle, int] = {}  # remote handle -> local copy slot id
         self._copy_of: dict[int, DataHandle] = {}
         self._claims: dict[int, Counter[DataHandle]] = {}  # pid -> claims it holds
+        self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
 
     # --- the ledger ------------------------------------------------------------------
 
@@ -503,6 +506,51 @@ class OwnerState:
         """End ``handle`` and every lease on it now (its memory went away)."""
         self._bytes_end(self.store.evict(handle, why), now, fx)
 
+    # --- shutdown --------------------------------------------------------------------
+
+    def demotion_begin(self) -> list[Slot]:
+        """Shutdown's demotion starts: the held slots in registered memory (the pool or a
+        caller's region), each now a read in progress so its bytes stay while copied."""
+        slots = [
+            s for s in self.store.slots()
+            if s.total_len and (s.pinned or isinstance(s.location, RegionSlot))
+        ]  # fmt: skip
+        for slot in slots:
+            self.begin_read(slot.slot_id)
+        return slots
+
+    def demote(self, slot: Slot, fid: int | None, now: float, fx: Effects) -> bool:
+        """``slot`` was copied into fetch ``fid``'s plain buffer (None: no copy, it stays
+        where it is). The slot now lives there; its registered bytes wait under
+        ``demoted:<id>`` until :meth:`release_demoted`, for a GET admitted before the gate.
+        Ends the read :meth:`demotion_begin` began. Returns whether the slot moved."""
+        moved = False
+        if fid is not None:
+            slot_id, kind, pinned = slot.slot_id, slot.kind, slot.pinned
+            buffer, _ = self._fetches[fid]
+            old = self.store.relocate(slot_id, buffer, kind="plain", pinned=False)
+            if old is None:  # its bytes went meanwhile: the copy is not needed
+                self.fetch_give_back(fid, fx)
+            else:
+                if _is_buffer(old):
+                    self._move(old, f"slot:{slot_id}", f"demoted:{slot_id}")
+                del self._fetches[fid]
+                self._move(buffer, f"fetch:{fid}", f"slot:{slot_id}")
+                self._demoted.append(
+                    FreedSlot(slot_id, kind, pinned, slot.total_len, old, "demoted")
+                )
+                moved = True
+        self.end_read(slot.slot_id, now, fx)
+        return moved
+
+    def release_demoted(self, fx: Effects) -> int:
+        """The GETs are drained (or out of time): registered bytes of demoted slots go back.
+        Returns how many."""
+        demoted, self._demoted = self._demoted, []
+        for freed in demoted:
+            self._move_out(freed, f"demoted:{freed.slot_id}", 0.0, fx)
+        return len(demoted)
+
     def clear(self, now: float, fx: Effects) -> int:
         """Shutdown: end every slot and give back every buffer but the quarantined ones
         (their pool's close unmaps them). Returns the slots freed."""
@@ -524,6 +572,7 @@ class OwnerState:
         for fid in list(self._fetches):
             self.fetch_give_back(fid, fx)
         self._claims.clear()
+        self.release_demoted(fx)
         return len(freed)
 
     def _bytes_end(self, freed: FreedSlot | None, now: float, fx: Effects) -> None:
@@ -596,6 +645,8 @@ class OwnerState:
                 add(freed.location, f"parked:{slot_id}")
         for _, freed in self._grace:
             add(freed.location, f"grace:{freed.slot_id}")
+        for freed in self._demoted:
+            add(freed.location, f"demoted:{freed.slot_id}")
         for buffer, _ in self.quarantined:
             add(buffer, "quarantine")
         if expected != self.holders:

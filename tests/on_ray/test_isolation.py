@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest

@@ -236,15 +236,16 @@ class SlotStoreMachine(RuleBasedStateMachine):
 
     @rule(drawn=handles, data=st.data())
     def relocate(self, drawn: DataHandle, data: st.DataObject) -> None:
-        """Drain demotes a pinned slot to plain memory; its lease and refs stay."""
+        """Shutdown demotes a registered slot to plain memory; its leases and refs stay."""
         handle = self.pick_handle(drawn, data)
         slot = self.live(handle)
         new = object()
+        if handle.worker_id != WORKER:
+            return  # relocate takes the owner's own slot ids
         if slot is None:
-            with pytest.raises(HandleNotFound):
-                self.store.relocate(handle, new, kind="plain", pinned=False)
+            assert self.store.relocate(handle.slot_id, new, kind="plain", pinned=False) is None
             return
-        old = self.store.relocate(handle, new, kind="plain", pinned=False)
+        old = self.store.relocate(handle.slot_id, new, kind="plain", pinned=False)
         assert old is slot.location
         slot.location, slot.kind, slot.pinned = new, "plain", False
 
