@@ -37,6 +37,7 @@ from ray_velo.local.producers import ProducerService
 from ray_velo.local.readers import ReaderService
 from ray_velo.local.records import LocalLease, RegionInfo, Reservation
 from ray_velo.local.regions import RegionService
+from ray_velo.memory.arena import remove_stale_segments
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
 from ray_velo.owner.state import OwnerState, RegionSlot
@@ -60,19 +61,19 @@ _FAULTS = (
 )
 
 
-def _start_rdma(config: VeloConfig) -> UcxRdmaBackend | None:
-    """The agent's UCX backend, or None (logged) when UCX is off or cannot load."""
+def _start_rdma(config: VeloConfig) -> tuple[UcxRdmaBackend | None, str]:
+    """The agent's UCX backend, or None (logged) when UCX is off or cannot load, with why."""
     if not config.rdma.ucx.enabled:
-        return None
+        return None, "UCX is off in the configuration (rdma.ucx.enabled=False)"
     available, why = ucx_available()
     if not available:
         _log.warning("ray_velo: UCX unavailable (%s); this node serves the chunked path only", why)
-        return None
+        return None, f"UCX unavailable: {why}"
     try:
-        return UcxRdmaBackend(config.rdma.ucx)
-    except VeloError:
+        return UcxRdmaBackend(config.rdma.ucx), ""
+    except VeloError as exc:
         _log.warning("ray_velo: UCX failed to start; chunked path only", exc_info=True)
-        return None
+        return None, f"UCX failed to start: {exc}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -117,8 +118,9 @@ class RendezvousAgent:
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
         rdma_enabled = config.rdma.rendezvous.enabled and not kill_switch_engaged(os.environ)
         agent_metrics = metrics.AgentMetrics(node_id)
+        self.rdma_unavailable = "" if rdma is not None else "no RDMA backend given"
         if rdma is _START_UCX:
-            rdma = _start_rdma(config)
+            rdma, self.rdma_unavailable = _start_rdma(config)
         registrar = None if rdma is None else rdma.registrar
         memory = NodeMemory(config, worker_id, registrar, agent_metrics)
         core = AgentCore(
@@ -178,6 +180,46 @@ class RendezvousAgent:
                 "peers": self.peers.nodes,
                 "metrics": core.metrics.snapshot(),
             }
+
+    def status(self) -> dict[str, Any]:
+        """The operator's summary (``ray-velo status --json``): identity, the transport,
+        memory, slots and leases, and the path counters."""
+        core = self.core
+        with core.lock:
+            store = core.state.store
+            status: dict[str, Any] = {
+                "node_id": core.node_id,
+                "worker_id": f"{core.worker_id:016x}",
+                "pid": os.getpid(),
+                "transport": self._transport(),
+                "registered_bytes": core.memory.budget.registered_bytes,
+                "budget_bytes": core.memory.budget.budget_bytes,
+                "live_slots": store.live_slots,
+                "live_leases": store.live_leases,
+                "staged_bytes": store.staged_bytes,
+                "fetches_in_flight": self.consumer.inflight,
+                "draining": store.draining,
+            }
+        snapshot = core.metrics.snapshot()
+        status["paths"] = snapshot["velo_rendezvous_rdma_path_total"]
+        status["bytes_moved"] = snapshot["velo_bytes_moved_total"]
+        status["leases_reaped"] = snapshot["velo_rendezvous_rdma_leases_reaped_total"]
+        return status
+
+    def _transport(self) -> str:
+        """The UCX transports used to each peer so far, or why there is no RDMA path."""
+        core = self.core
+        if core.rdma is None:
+            return f"none: {self.rdma_unavailable or 'UCX closed'}"
+        if not core.rdma_enabled:
+            return "none: the kill switch is on (VELO_RDMA_RENDEZVOUS_DISABLE or config)"
+        used = sorted({t for ts in core.rdma.transports().values() for t in ts})
+        return "ucx: " + (", ".join(used) if used else "no endpoint yet")
+
+    def cleanup(self) -> list[tuple[str, int]]:
+        """Remove the segments of dead processes in this node's shm directory (never a live
+        process's); returns (path, bytes) of each."""
+        return [(s.path, s.nbytes) for s in remove_stale_segments(self.core.config.shm_dir)]
 
     def ping(self) -> int:
         return self.worker_id

@@ -65,6 +65,8 @@ _BLOCKING_METHODS = (
     "route",
     "ucx_address",
     "register_peers",
+    "cleanup",
+    "status",
 )
 
 

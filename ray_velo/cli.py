@@ -3,8 +3,9 @@
 ray-velo demo [--size-mib 256]
 ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
 ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
-ray-velo status [--address auto]
+ray-velo status [--address auto] [--json]
 ray-velo stop [--address auto]
+ray-velo cleanup [--address auto] [--shm-dir DIR]
 """
 
 from __future__ import annotations
@@ -101,28 +102,59 @@ def _connect(address: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    import ray
-
-    from ray_velo.actors import alive_node_ids, find_agent
+    from ray_velo.ops import cluster_status
 
     _connect(args.address)
-    for node_id in alive_node_ids():
-        try:
-            info = ray.get(find_agent(node_id).info.remote(), timeout=30)
-        except ValueError:
-            print(f"{node_id}: no agent")
-            continue
-        except ray.exceptions.RayError as exc:
-            print(f"{node_id}: agent not answering ({type(exc).__name__})")
+    statuses = cluster_status()
+    if args.json:
+        print(json.dumps(statuses, indent=2, sort_keys=True))
+        return 0
+    for status in statuses:
+        if "error" in status:
+            print(f"{status['node_id']}: {status['error']}")
             continue
         print(
-            f"{node_id}: worker {info['worker_id']:016x} rdma={'on' if info['rdma'] else 'off'}"
-            f"{'' if info['rdma_enabled'] else ' (kill switch)'} slots={info['live_slots']} "
-            f"leases={info['live_leases']} staged={info['staged_bytes']} B "
-            f"registered={info['registered_bytes']} B"
+            f"{status['node_id']}: worker {status['worker_id']} transport {status['transport']}"
+            f"\n    slots={status['live_slots']} leases={status['live_leases']} "
+            f"staged={status['staged_bytes']} B registered={status['registered_bytes']} B "
+            f"of {status['budget_bytes']} B{' (draining)' if status['draining'] else ''}"
         )
-        for key, count in info["metrics"]["velo_rendezvous_rdma_path_total"].items():
+        for key, count in sorted(status["paths"].items()):
             print(f"    path {key}: {count}")
+    return 0
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    from ray_velo.ops import cleanup_cluster, cleanup_local, default_shm_dir
+
+    results = []
+    connected = False
+    try:
+        _connect(args.address)
+        connected = True
+    except Exception as exc:  # no cluster: this machine only
+        if args.address != "auto":
+            print(f"ray-velo cleanup: cannot reach the cluster at {args.address}: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+    shm_dir = args.shm_dir or default_shm_dir()
+    results.append(cleanup_local(shm_dir))
+    if connected:
+        results += cleanup_cluster(shm_dir)
+    seen: set[str] = set()
+    total = 0
+    for result in results:
+        fresh = [(p, n) for p, n in result.removed if p not in seen]  # one host, several nodes
+        seen.update(p for p, _ in fresh)
+        nbytes = sum(n for _, n in fresh)
+        total += nbytes
+        if result.error:
+            print(f"{result.node_id}: cleanup failed ({result.error})")
+            continue
+        print(f"{result.node_id} (via {result.via}): removed {len(fresh)} segments, {nbytes} B")
+        for path, n in fresh:
+            print(f"    {path} ({n} B)")
+    print(f"removed {len(seen)} segments of dead processes, {total} B in all")
     return 0
 
 
@@ -167,13 +199,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
     bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
     bench.set_defaults(run=_bench)
+    commands = {}
     for name, run, text in (
-        ("status", _status, "each node's agent: slots, leases, path decisions"),
-        ("stop", _stop, "stop every agent of a running cluster"),
+        ("status", _status, "each node's agent: transport, memory, slots, leases, paths"),
+        ("stop", _stop, "stop every agent of a running cluster (the spec's shutdown order)"),
+        ("cleanup", _cleanup, "remove the shared-memory segments dead processes left"),
     ):
         command = sub.add_parser(name, help=text)
         command.add_argument("--address", default="auto", help="Ray cluster address")
         command.set_defaults(run=run)
+        commands[name] = command
+    commands["status"].add_argument(
+        "--json", action="store_true", help="a JSON list, one object per node agent"
+    )
+    commands["cleanup"].add_argument(
+        "--shm-dir", help="the segments' directory (default: the cluster's, else /dev/shm)"
+    )
     args = parser.parse_args(argv)
     return int(args.run(args))
 

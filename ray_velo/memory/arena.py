@@ -28,7 +28,7 @@ import mmap
 import os
 import re
 import threading
-from typing import Final
+from typing import Final, NamedTuple
 
 from ray_velo.errors import SharedMemoryTooSmall
 
@@ -37,6 +37,7 @@ __all__ = [
     "SEGMENT_PREFIX",
     "SegmentMap",
     "ShmArena",
+    "StaleSegment",
     "page_round_up",
     "remove_stale_segments",
     "segment_name",
@@ -408,7 +409,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments(directory: str | os.PathLike[str]) -> list[str]:
+class StaleSegment(NamedTuple):
+    """A segment file :func:`remove_stale_segments` removed, and its size."""
+
+    path: str
+    nbytes: int
+
+
+def remove_stale_segments(directory: str | os.PathLike[str]) -> list[StaleSegment]:
     """Remove the arena files of dead processes in ``directory`` (a crashed agent's).
 
     A file is stale when the pid in its name is not alive (``os.kill(pid, 0)``). Pids only
@@ -417,13 +425,13 @@ def remove_stale_segments(directory: str | os.PathLike[str]) -> list[str]:
     never removes a live segment.
 
     Returns:
-        Paths removed, sorted.
+        The segments removed (path, bytes), sorted by path.
 
     Raises:
         OSError: ``directory`` cannot be listed.
     """
     directory = os.fspath(directory)
-    removed: list[str] = []
+    removed: list[StaleSegment] = []
     alive: dict[int, bool] = {}
     for entry in os.scandir(directory):
         match = _SEGMENT_RE.match(entry.name)
@@ -435,9 +443,10 @@ def remove_stale_segments(directory: str | os.PathLike[str]) -> list[str]:
         if alive[pid]:
             continue
         try:
+            nbytes = entry.stat(follow_symlinks=False).st_size
             os.unlink(entry.path)
         except FileNotFoundError:
             continue  # another cleaner got there first
         _log.info("removed stale shared-memory segment %s of dead process %d", entry.path, pid)
-        removed.append(entry.path)
+        removed.append(StaleSegment(entry.path, nbytes))
     return sorted(removed)

@@ -46,8 +46,12 @@ class NodeMemory:
         self.config = config
         self.metrics = metrics
         os.makedirs(config.shm_dir, exist_ok=True)
-        for path in remove_stale_segments(config.shm_dir):
-            _log.warning("removed shared-memory segment %s of a crashed ray_velo agent", path)
+        for stale in remove_stale_segments(config.shm_dir):
+            _log.warning(
+                "removed shared-memory segment %s (%d bytes) of a crashed ray_velo process",
+                stale.path,
+                stale.nbytes,
+            )
         pool_config = config.rdma.pool
         self.budget = RegistrationBudget(
             pool_config.registered_bytes_budget, on_change=metrics.set_registered

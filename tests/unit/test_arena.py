@@ -228,7 +228,8 @@ def test_remove_stale_segments_of_a_crashed_agent(shm_dir: Path) -> None:
     live = ShmArena(shm_dir, PAGE_BYTES, OWNER)
     try:
         removed = remove_stale_segments(shm_dir)
-        assert removed == sorted(str(p) for p in stale)
+        assert [s.path for s in removed] == sorted(str(p) for p in stale)
+        assert [s.nbytes for s in removed] == [16, 16]
         assert os.path.exists(live.path)
         assert all(p.exists() for p in unrelated)
         assert remove_stale_segments(shm_dir) == []

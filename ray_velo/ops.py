@@ -1,0 +1,117 @@
+"""What an operator runs against a cluster: each agent's status, and the cleanup of the
+shared-memory segments that dead processes left (``ray-velo status`` / ``ray-velo cleanup``).
+
+A segment file names the pid of the process that mapped it; a SIGKILLed agent cannot unlink
+its own, so they stay in the node's shm directory until an agent starts there again or
+:func:`cleanup_cluster` runs. Removal checks that the pid is dead, so both are safe while
+agents serve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray_velo.memory.arena import remove_stale_segments
+
+__all__ = [
+    "NodeCleanup",
+    "cleanup_cluster",
+    "cleanup_local",
+    "cluster_status",
+    "default_shm_dir",
+]
+
+#: How long a status or cleanup call waits for one node (s).
+NODE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class NodeCleanup:
+    """What cleanup removed on one node (``via``: ``agent``, ``task`` or ``local``)."""
+
+    node_id: str
+    via: str
+    removed: list[tuple[str, int]] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.removed)
+
+
+def cleanup_local(shm_dir: str) -> NodeCleanup:
+    """Remove the dead processes' segments in ``shm_dir`` on this machine."""
+    removed = [(s.path, s.nbytes) for s in remove_stale_segments(shm_dir)]
+    return NodeCleanup(node_id="this machine", via="local", removed=removed)
+
+
+def _remove_on_node(shm_dir: str) -> list[tuple[str, int]]:
+    return [(s.path, s.nbytes) for s in remove_stale_segments(shm_dir)]
+
+
+def cleanup_cluster(shm_dir: str) -> list[NodeCleanup]:
+    """On every alive node: its agent removes the dead processes' segments, or, where no
+    agent runs (it was killed), a zero-CPU task pinned to the node does, without starting
+    one. Needs a connected Ray driver."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ray_velo.actors import alive_node_ids, find_agent
+
+    remover = ray.remote(num_cpus=0)(_remove_on_node)
+    calls: dict[str, tuple[str, Any]] = {}
+    for node_id in alive_node_ids():
+        try:
+            calls[node_id] = ("agent", find_agent(node_id).cleanup.remote())
+        except ValueError:
+            strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+            calls[node_id] = (
+                "task",
+                remover.options(scheduling_strategy=strategy).remote(shm_dir),
+            )
+    out = []
+    for node_id, (via, ref) in calls.items():
+        try:
+            removed = [(str(p), int(n)) for p, n in ray.get(ref, timeout=NODE_TIMEOUT_S)]
+            out.append(NodeCleanup(node_id, via, removed))
+        except Exception as exc:  # one sick node must not hide the others' results
+            out.append(NodeCleanup(node_id, via, error=f"{type(exc).__name__}: {exc}"))
+    return out
+
+
+def cluster_status() -> list[dict[str, Any]]:
+    """One status object per alive node (``node_id`` and ``error`` where no agent answers)."""
+    import ray
+
+    from ray_velo.actors import alive_node_ids, find_agent
+
+    calls: dict[str, Any] = {}
+    out: list[dict[str, Any]] = []
+    for node_id in alive_node_ids():
+        try:
+            calls[node_id] = find_agent(node_id).status.remote()
+        except ValueError:
+            out.append({"node_id": node_id, "error": "no ray_velo agent on this node"})
+    for node_id, ref in calls.items():
+        try:
+            out.append(dict(ray.get(ref, timeout=NODE_TIMEOUT_S)))
+        except Exception as exc:
+            out.append({"node_id": node_id, "error": f"agent not answering: {type(exc).__name__}"})
+    return sorted(out, key=lambda s: str(s["node_id"]))
+
+
+def default_shm_dir() -> str:
+    """The cluster's configured shm directory when a driver is connected, else /dev/shm."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            from ray_velo.actors.directory import load_cluster_config
+
+            return load_cluster_config().shm_dir
+    except Exception:  # no cluster config to read: the default directory
+        pass
+    from ray_velo.config import VeloConfig
+
+    return VeloConfig().shm_dir
