@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import time
@@ -86,6 +87,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _ray_worker_id() -> str:
+    """This process's Ray worker id (the WorkerId label of its exported metrics), or ""."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_worker_id()) if ray.is_initialized() else ""
+    except Exception:  # outside Ray (ray_velo.testing)
+        return ""
+
+
 def _find_agent(node_id: str) -> Any:
     from ray_velo.actors.directory import find_agent
 
@@ -135,6 +146,8 @@ class RendezvousAgent:
         self.regions = RegionService(core)
         self.peers = PeerDirectory(rdma, _find_agent, _node_of_worker, node_id)
         self.consumer = ConsumerService(core, peers or self.peers, self.owner)
+        self._gauges_due = -math.inf
+        self._refresh_gauges(clock())  # every gauge set from the start
         self._ticker: Ticker | None = None
         if timer:
             self._ticker = Ticker(self.tick, name=f"ray_velo-agent-{worker_id:016x}", clock=clock)
@@ -200,6 +213,7 @@ class RendezvousAgent:
                 "fetches_in_flight": self.consumer.inflight,
                 "draining": store.draining,
             }
+        status["ray_worker_id"] = _ray_worker_id()
         snapshot = core.metrics.snapshot()
         status["paths"] = snapshot["velo_rendezvous_rdma_path_total"]
         status["bytes_moved"] = snapshot["velo_bytes_moved_total"]
@@ -335,7 +349,7 @@ class RendezvousAgent:
             dead = {pid for pid in watched if not _pid_alive(pid)}
             reaped = state.reap(dead, now, fx) if dead else None
             core.metrics.set_slots(state.store.live_slots, state.store.staged_bytes)
-            due = [state.next_due()]
+            due = [state.next_due(), self._refresh_gauges(now)]
             if watched - dead:
                 due.append(now + LIVENESS_INTERVAL_S)
         if reaped is not None:
@@ -348,6 +362,30 @@ class RendezvousAgent:
             core.rdma.reap_idle_endpoints(now)
             due.append(core.rdma.next_reap_due(now))
         return min((d for d in due if d is not None), default=None)
+
+    def _refresh_gauges(self, now: float) -> float:
+        """Re-set every gauge when due (Ray drops a gauge nobody sets); says when next."""
+        if now < self._gauges_due:
+            return self._gauges_due
+        core = self.core
+        memory = core.memory
+        with core.lock:
+            store = core.state.store
+            live_slots, staged = store.live_slots, store.staged_bytes
+        registered_arenas = 0 if memory.pinned_pool is None else memory.pinned_pool.arenas
+        core.metrics.refresh(
+            metrics.Gauges(
+                registered_bytes=memory.budget.registered_bytes,
+                live_regions=registered_arenas + self.regions.live,
+                live_slots=live_slots,
+                staged_bytes=staged,
+                registered_arenas=registered_arenas,
+                plain_arenas=memory.plain_pool.arenas,
+                budget_bytes=memory.budget.budget_bytes,
+            )
+        )
+        self._gauges_due = now + metrics.GAUGE_REFRESH_S
+        return self._gauges_due
 
     # --- shutdown --------------------------------------------------------------------
 

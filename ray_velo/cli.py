@@ -6,6 +6,7 @@ ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [
 ray-velo status [--address auto] [--json]
 ray-velo stop [--address auto]
 ray-velo cleanup [--address auto] [--shm-dir DIR]
+ray-velo grafana [--dir DIR] [--session-dir DIR]
 """
 
 from __future__ import annotations
@@ -167,6 +168,16 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _grafana(args: argparse.Namespace) -> int:
+    from ray_velo.ops import dashboard_dir, install_dashboard
+
+    directory = args.dir or dashboard_dir(args.session_dir)
+    path = install_dashboard(directory)
+    print(f"installed the ray_velo dashboard: {path}")
+    print("Grafana started from Ray's provisioning config picks it up (Dashboards > ray_velo)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ray-velo", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands["status"].add_argument(
         "--json", action="store_true", help="a JSON list, one object per node agent"
     )
+    grafana = sub.add_parser("grafana", help="install the Grafana dashboard for Ray's Grafana")
+    grafana.add_argument("--dir", help="install here (default: where Ray's Grafana reads)")
+    grafana.add_argument(
+        "--session-dir", help="the Ray session directory (default: /tmp/ray/session_latest)"
+    )
+    grafana.set_defaults(run=_grafana)
     commands["cleanup"].add_argument(
         "--shm-dir", help="the segments' directory (default: the cluster's, else /dev/shm)"
     )

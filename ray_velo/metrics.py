@@ -16,7 +16,12 @@ Spec series (name inside Ray -> exported name):
 * ``velo_rdma_registrations`` {kind} -> ``ray_velo_rdma_registrations_total``
 
 Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {path},
-``velo_live_slots``, ``velo_staged_bytes``.
+``velo_live_slots``, ``velo_staged_bytes``, ``velo_arenas`` {pool}, ``velo_rdma_budget_bytes``.
+
+Every counter exists from the agent's start (at 0, for each label value it can take) and
+every gauge is set then and re-set on the agent's timer (:data:`GAUGE_REFRESH_S`), so a
+dashboard never shows "no data" for a quiet node. The histograms appear with their first
+observation (Ray exports no empty histogram).
 """
 
 from __future__ import annotations
@@ -27,15 +32,49 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from ray_velo.protocol.path import (
+    CONSUMER_FAILURE_REASONS,
+    OWNER_REFUSAL_REASONS,
+    STAGING_FALLBACK_REASONS,
+)
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics_core import Metric
 
-__all__ = ["GET_BUCKETS_S", "AgentMetrics", "prometheus_registry"]
+__all__ = ["GAUGE_REFRESH_S", "GET_BUCKETS_S", "AgentMetrics", "Gauges", "prometheus_registry"]
 
 _log = logging.getLogger(__name__)
+
+#: How often the agent re-sets every gauge, so Ray's export never drops a quiet one (s).
+GAUGE_REFRESH_S = 5.0
+#: Every (path, reason) pair the path counter can count: each exists at 0 from the start.
+PATH_LABELS = sorted(
+    {("rdma", "ok")}
+    | {("chunked", r) for r in OWNER_REFUSAL_REASONS + CONSUMER_FAILURE_REASONS}
+    | {("chunked", r) for r in STAGING_FALLBACK_REASONS}
+)
+#: Fetch paths of velo_bytes_moved and velo_fetch_duration_seconds ("cache": a node-local copy).
+FETCH_PATHS = ("rdma", "chunked", "cache")
+REGISTRATION_KINDS = ("arena", "external")
+ARENA_POOLS = ("registered", "plain")
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """Every gauge's value, read from the agent at once (its timer refreshes them)."""
+
+    registered_bytes: int = 0
+    live_regions: int = 0
+    live_slots: int = 0
+    staged_bytes: int = 0
+    registered_arenas: int = 0
+    plain_arenas: int = 0
+    budget_bytes: int = 0
+
 
 #: Histogram buckets for GET and fetch durations (seconds): 100 us .. 60 s.
 GET_BUCKETS_S = [
@@ -105,7 +144,17 @@ class _RayExport:
         self.staged_bytes = rm.Gauge(
             "velo_staged_bytes", "Bytes staged on this agent.", tag_keys=("node",)
         )
+        self.arenas = rm.Gauge(
+            "velo_arenas", "Arenas mapped, by pool (registered, plain).", tag_keys=("pool", "node")
+        )
+        self.budget = rm.Gauge(
+            "velo_rdma_budget_bytes",
+            "The registered-bytes budget (registered_bytes / this = budget used).",
+            tag_keys=("node",),
+        )
         for metric in (
+            self.arenas,
+            self.budget,
             self.path,
             self.get_duration,
             self.reaped,
@@ -118,6 +167,32 @@ class _RayExport:
             self.staged_bytes,
         ):
             metric.set_default_tags(tags)
+        self._prime()
+
+    def _prime(self) -> None:
+        """Every counter at 0 for each label value it can take: Ray's ``inc`` refuses 0, so
+        record through the metric's own ``_record`` (a private method: if a Ray release
+        removes it, the series appear on first use, as before)."""
+        record = getattr(self.path, "_record", None)
+        if record is None:
+            _log.warning("ray_velo: this Ray cannot export zero counters; they appear on use")
+            return
+        for path, reason in PATH_LABELS:
+            self.path._record(0, {"path": path, "reason": reason})
+        self.reaped._record(0)
+        for kind in REGISTRATION_KINDS:
+            self.registrations._record(0, {"kind": kind})
+        for path in FETCH_PATHS:
+            self.bytes_moved._record(0, {"path": path})
+
+    def set_gauges(self, gauges: Gauges) -> None:
+        self.registered.set(gauges.registered_bytes)
+        self.live_regions.set(gauges.live_regions)
+        self.live_slots.set(gauges.live_slots)
+        self.staged_bytes.set(gauges.staged_bytes)
+        self.arenas.set(gauges.registered_arenas, {"pool": "registered"})
+        self.arenas.set(gauges.plain_arenas, {"pool": "plain"})
+        self.budget.set(gauges.budget_bytes)
 
 
 class AgentMetrics:
@@ -140,6 +215,8 @@ class AgentMetrics:
         self.fetches: Counter[str] = Counter()
         self.live_slots = 0
         self.staged_bytes = 0
+        self.arenas: dict[str, int] = dict.fromkeys(ARENA_POOLS, 0)
+        self.budget_bytes = 0
         self._ray: _RayExport | None = None
         if export_to_ray is None:
             export_to_ray = _inside_ray_worker()
@@ -211,6 +288,16 @@ class AgentMetrics:
             self._ray.live_slots.set(live_slots)
             self._ray.staged_bytes.set(staged_bytes)
 
+    def refresh(self, gauges: Gauges) -> None:
+        """Set every gauge (the agent's timer calls this every :data:`GAUGE_REFRESH_S`)."""
+        with self._lock:
+            self.registered_bytes, self.live_regions = gauges.registered_bytes, gauges.live_regions
+            self.live_slots, self.staged_bytes = gauges.live_slots, gauges.staged_bytes
+            self.arenas = {"registered": gauges.registered_arenas, "plain": gauges.plain_arenas}
+            self.budget_bytes = gauges.budget_bytes
+        if self._ray is not None:
+            self._ray.set_gauges(gauges)
+
     def snapshot(self) -> dict[str, Any]:
         """Plain-data copy of every counter (picklable; for tests and ``ray-velo status``)."""
         with self._lock:
@@ -238,6 +325,8 @@ class AgentMetrics:
                 "velo_fetches_total": dict(self.fetches),
                 "velo_live_slots": self.live_slots,
                 "velo_staged_bytes": self.staged_bytes,
+                "velo_arenas": dict(self.arenas),
+                "velo_rdma_budget_bytes": self.budget_bytes,
             }
 
 
@@ -304,6 +393,10 @@ def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]
     fetches = CounterMetricFamily("velo_fetches", "Fetches, by path.", labels=("path", "node"))
     live_slots = GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",))
     staged_bytes = GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",))
+    arenas = GaugeMetricFamily("velo_arenas", "Arenas mapped, by pool.", labels=("pool", "node"))
+    budget = GaugeMetricFamily(
+        "velo_rdma_budget_bytes", "The registered-bytes budget.", labels=("node",)
+    )
     for node, snap in sorted(snapshots.items()):
         for key, n in snap["velo_rendezvous_rdma_path_total"].items():
             p, reason = key.split("/", 1)
@@ -323,7 +416,12 @@ def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]
             fetches.add_metric((p, node), n)
         live_slots.add_metric((node,), snap["velo_live_slots"])
         staged_bytes.add_metric((node,), snap["velo_staged_bytes"])
+        for pool, n in snap["velo_arenas"].items():
+            arenas.add_metric((pool, node), n)
+        budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
     yield from (
+        arenas,
+        budget,
         path,
         get_duration,
         reaped,

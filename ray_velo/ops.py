@@ -9,7 +9,10 @@ agents serve.
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 from ray_velo.memory.arena import remove_stale_segments
@@ -19,8 +22,15 @@ __all__ = [
     "cleanup_cluster",
     "cleanup_local",
     "cluster_status",
+    "dashboard_dir",
     "default_shm_dir",
+    "install_dashboard",
 ]
+
+#: The file name the dashboard is installed under (Ray's own are ``*_grafana_dashboard.json``).
+DASHBOARD_FILE = "ray_velo_grafana_dashboard.json"
+#: Where Ray's Grafana provisioning reads dashboards, below a session directory.
+_SESSION_DASHBOARDS = os.path.join("metrics", "grafana", "dashboards")
 
 #: How long a status or cleanup call waits for one node (s).
 NODE_TIMEOUT_S = 30.0
@@ -115,3 +125,24 @@ def default_shm_dir() -> str:
     from ray_velo.config import VeloConfig
 
     return VeloConfig().shm_dir
+
+
+def dashboard_dir(session_dir: str | None = None) -> str:
+    """Where Ray's Grafana provisioning reads dashboards: ``RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR``
+    when set (Ray writes its own there too), else the session's ``metrics/grafana/dashboards``
+    (``session_dir``, default ``/tmp/ray/session_latest``)."""
+    configured = os.environ.get("RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR")
+    if configured:
+        return configured
+    return os.path.join(session_dir or "/tmp/ray/session_latest", _SESSION_DASHBOARDS)
+
+
+def install_dashboard(directory: str) -> str:
+    """Copy ray_velo's Grafana dashboard into ``directory`` (made if missing). Returns the
+    path written."""
+    os.makedirs(directory, exist_ok=True)
+    target = os.path.join(directory, DASHBOARD_FILE)
+    source = resources.files("ray_velo").joinpath("grafana_dashboard.json")
+    with resources.as_file(source) as path:
+        shutil.copyfile(path, target)
+    return target

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -24,7 +25,7 @@ SPEC_SERIES = {
 }
 
 #: Labels a series may carry; a handle, lease id or transfer id must never become one.
-ALLOWED_LABELS = {"path", "reason", "kind", "node", "le"}
+ALLOWED_LABELS = {"path", "reason", "kind", "node", "pool", "le"}
 
 
 def busy_owner() -> AgentMetrics:
@@ -218,3 +219,25 @@ def test_ray_export_stays_off_outside_ray() -> None:
     metrics = AgentMetrics("n", export_to_ray=False)
     metrics.path("rdma", "ok")
     assert metrics._ray is None
+
+
+def test_the_agents_timer_refreshes_every_gauge(tmp_path: Path) -> None:
+    """Gauges are set at the agent's start and re-set on its timer, whatever changed them."""
+    from ray_velo.metrics import GAUGE_REFRESH_S
+    from ray_velo.testing import AgentPair
+
+    with AgentPair(tmp_path / "shm") as pair:
+        owner = pair.owner
+        start = owner.core.metrics.snapshot()
+        assert start["velo_rdma_budget_bytes"] == owner.core.memory.budget.budget_bytes > 0
+        assert start["velo_live_slots"] == 0
+        due = owner.tick(pair.clock())
+        assert due is not None and due <= pair.clock() + GAUGE_REFRESH_S
+        handle = pair.put(b"x" * (1 << 20))
+        pair.tick(GAUGE_REFRESH_S)
+        snap = owner.core.metrics.snapshot()
+        assert snap["velo_live_slots"] == 1 and snap["velo_staged_bytes"] == 1 << 20
+        assert snap["velo_arenas"]["registered"] >= 1
+        assert snap["velo_rdma_live_regions"] == snap["velo_arenas"]["registered"]
+        assert snap["velo_rdma_registered_bytes"] == owner.core.memory.budget.registered_bytes
+        assert pair.fetch(handle) == b"x" * (1 << 20)
