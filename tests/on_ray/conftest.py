@@ -106,6 +106,19 @@ def velo(cluster: Cluster) -> Iterator[None]:
     )
 
 
+@pytest.fixture()
+def node_c(cluster: Cluster) -> Iterator[str]:
+    """A third node (``resources={"node_c": ...}``) for one test, removed afterwards with
+    its agent (unless the test removed it itself)."""
+    node = cluster.add_node(num_cpus=2, object_store_memory=256 * MiB, resources={"node_c": 4})
+    cluster.wait_for_nodes()
+    node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_c" in n["Resources"])
+    yield node_id
+    if any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+        stop_agent(node_id)  # its segments go with a clean shutdown
+        cluster.remove_node(node)
+
+
 def stop_agent(node_id: str) -> None:
     """Shut down and kill ``node_id``'s agent, and wait until its name is free again."""
     import time

@@ -14,7 +14,13 @@ import ray
 import ray_velo as rv
 from ray_velo.actors import ensure_agent
 from ray_velo.config import MiB
-from tests.on_ray.conftest import agent_info, node_ids, stop_agent, wait_until_freed
+from tests.on_ray.conftest import (
+    TEST_CONFIG,
+    agent_info,
+    node_ids,
+    stop_agent,
+    wait_until_freed,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -143,3 +149,113 @@ def test_get_of_a_region_slot_on_its_own_node_holds_a_real_lease(velo: None) -> 
     assert rv.metadata(handle).refcount == 1
     rv.release(handle, 0)
     assert guard.unregister(timeout_s=5.0) == "drained"
+
+
+def _wait(condition: object, what: str, bound_s: float = 30.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"never happened within {bound_s} s: {what}"
+        time.sleep(0.01)
+
+
+def test_owner_killed_mid_get_gives_owner_died(velo: None) -> None:
+    """Node a's agent dies while node b holds an RDMA lease and is about to GET: the fetch
+    ends with OwnerDied naming node a within its bound, and node b keeps nothing of it."""
+    node_a = node_ids()["node_a"]
+    agent_b = ensure_agent(node_ids()["node_b"])
+    used_before = used_bytes("node_b")
+    ray.get(agent_b.inject_fault.remote("stall_before_get_s", 2.0))
+    try:
+        ref = fetch_crc_on_b.remote(rv.put(np.ones(4 * MiB, dtype=np.uint8)), 60.0)
+        _wait(lambda: agent_info("node_a")["live_leases"] >= 1, "the RDMA lease granted")
+        os.kill(agent_info("node_a")["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(rv.OwnerDied) as info:
+            ray.get(ref, timeout=90)
+        assert time.monotonic() - started < 30
+        assert node_a in str(info.value)
+    finally:
+        ray.get(agent_b.inject_fault.remote("stall_before_get_s", 0.0))
+    _wait(lambda: used_bytes("node_b") == used_before, "node b freed the GET's destination")
+    assert agent_info("node_b")["live_leases"] == 0
+
+
+@ray.remote(num_cpus=0, resources={"node_c": 1})
+def _stage_on_c(nbytes: int) -> rv.DataHandle:
+    return rv.register_data(np.ones(nbytes, dtype=np.uint8))  # plain memory: chunked
+
+
+def test_a_node_removed_mid_pull_gives_owner_died_and_leaks_nothing(
+    velo: None, cluster: object, node_c: str
+) -> None:
+    """The owner's whole node leaves the cluster while node b pulls from it: OwnerDied within
+    the bound, node b frees what it had filled, and the segments the dead agent could not
+    unlink are removed by cleanup (the node's processes are gone)."""
+    from ray_velo.actors import find_agent
+    from ray_velo.ops import cleanup_local
+
+    handle = ray.get(_stage_on_c.remote(48 * MiB))
+    agent_c = find_agent(node_c)
+    ray.get(agent_c.inject_fault.remote("slow_pulls_s", 0.05))
+    pid_c = ray.get(agent_c.info.remote())["pid"]
+    used_before = used_bytes("node_b")
+    ref = fetch_crc_on_b.remote(handle, 120.0)
+    _wait(lambda: used_bytes("node_b") > used_before, "the pull began")
+    node = next(n for n in cluster.worker_nodes if n.node_id == node_c)  # type: ignore[attr-defined]
+    cluster.remove_node(node)  # type: ignore[attr-defined]
+    started = time.monotonic()
+    with pytest.raises(rv.OwnerDied) as info:
+        ray.get(ref, timeout=90)
+    assert time.monotonic() - started < 45
+    assert node_c in str(info.value)
+    _wait(lambda: used_bytes("node_b") == used_before, "node b freed the half-filled copy")
+    _wait(lambda: not _alive(pid_c), "node c's agent process ended")
+    removed = cleanup_local(TEST_CONFIG.shm_dir).removed
+    assert all(f"ray_velo-{pid_c}-" not in n for n in os.listdir(TEST_CONFIG.shm_dir))
+    assert any(f"/ray_velo-{pid_c}-" in path for path, _ in removed)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_an_agent_restarted_ends_its_old_handles_naming_the_restart(velo: None) -> None:
+    """Node a's agent is replaced: a handle the old one issued gives HandleNotFound saying
+    its owner restarted, from a fetch on another node and from the driver; new handles work."""
+    from tests.on_ray.conftest import restart_agent
+
+    handle = rv.put(np.ones(MiB, dtype=np.uint8))
+    restart_agent("node_a")
+    with pytest.raises(rv.HandleNotFound, match="restarted"):
+        ray.get(fetch_crc_on_b.remote(handle, 30.0))
+    with pytest.raises(rv.HandleNotFound, match="restarted"):
+        rv.metadata(handle)
+    fresh = np.arange(MiB, dtype=np.uint8)
+    assert ray.get(fetch_crc_on_b.remote(rv.put(fresh), 30.0)) == zlib.crc32(fresh)
+
+
+@ray.remote(max_retries=0, **ON_B)
+def _put_then_die(nbytes: int, ttl: float) -> None:
+    rv.put(np.ones(nbytes, dtype=np.uint8), ttl=ttl)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_producer_killed_after_put_has_its_payload_freed_by_the_ttl(velo: None) -> None:
+    """The task that staged a payload dies before handing its handle to anyone: nobody can
+    release it, so its TTL frees it on the owner (node b), within TTL + the timer's slack."""
+    before = agent_info("node_b")["counters"]
+    with pytest.raises(ray.exceptions.WorkerCrashedError):
+        ray.get(_put_then_die.remote(3 * MiB, 2.0), timeout=60)
+    after_put = agent_info("node_b")["counters"]
+    assert after_put["slots_staged"] == before["slots_staged"] + 1
+    _wait(
+        lambda: agent_info("node_b")["counters"]["slots_expired"] == before["slots_expired"] + 1,
+        "the TTL freed the payload",
+        bound_s=15.0,
+    )
+    counters = agent_info("node_b")["counters"]
+    assert counters["slots_freed"] == before["slots_freed"] + 1

@@ -6,32 +6,19 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 import ray_velo as rv
 from ray_velo.actors import ensure_agent
 from ray_velo.config import MiB
-from tests.on_ray.conftest import node_ids, stop_agent
+from tests.on_ray.conftest import node_ids
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode, pytest.mark.slow]
 
 HUNG = 100
-
-
-@pytest.fixture()
-def node_c(cluster: Cluster) -> Iterator[str]:
-    """A third node for the sick owner, removed afterwards (and its agent with it)."""
-    node = cluster.add_node(num_cpus=2, object_store_memory=256 * MiB, resources={"node_c": 4})
-    cluster.wait_for_nodes()
-    node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_c" in n["Resources"])
-    yield node_id
-    stop_agent(node_id)  # its segments go with a clean shutdown
-    cluster.remove_node(node)
 
 
 @ray.remote(num_cpus=0, resources={"node_c": 1})
