@@ -18,6 +18,7 @@ methods are the Ray entry points, each a one-line delegation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -38,7 +39,7 @@ from ray_velo.local.producers import ProducerService
 from ray_velo.local.readers import ReaderService
 from ray_velo.local.records import LocalLease, RegionInfo, Reservation
 from ray_velo.local.regions import RegionService
-from ray_velo.memory.arena import remove_stale_segments
+from ray_velo.memory.arena import SEGMENT_PREFIX, remove_stale_segments
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
 from ray_velo.owner.state import OwnerState, RegionSlot
@@ -85,6 +86,31 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_stats(shm_dir: str) -> dict[str, int]:
+    """This process's open files, threads, resident memory (all, and anonymous: the heap)
+    and the shared-memory segments it created, for the soak's growth checks (Linux /proc)."""
+    stats = {"fds": 0, "threads": 0, "rss_bytes": 0, "rss_anon_bytes": 0}
+    try:
+        stats["fds"] = len(os.listdir("/proc/self/fd"))
+        stats["threads"] = len(os.listdir("/proc/self/task"))
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon"):
+                    name = "rss_bytes" if key == "VmRSS" else "rss_anon_bytes"
+                    stats[name] = int(value.split()[0]) * 1024
+    except OSError:  # not Linux: what could be read
+        pass
+    prefix = f"{SEGMENT_PREFIX}{os.getpid()}-"
+    stats["segments"] = stats["segment_bytes"] = 0
+    for entry in os.scandir(shm_dir):
+        if entry.name.startswith(prefix):
+            with contextlib.suppress(FileNotFoundError):  # unlinked meanwhile
+                stats["segment_bytes"] += entry.stat().st_size
+                stats["segments"] += 1
+    return stats
 
 
 def _ray_worker_id() -> str:
@@ -214,6 +240,7 @@ class RendezvousAgent:
                 "draining": store.draining,
             }
         status["ray_worker_id"] = _ray_worker_id()
+        status["process"] = process_stats(core.config.shm_dir)
         snapshot = core.metrics.snapshot()
         status["paths"] = snapshot["velo_rendezvous_rdma_path_total"]
         status["bytes_moved"] = snapshot["velo_bytes_moved_total"]

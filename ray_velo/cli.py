@@ -7,6 +7,7 @@ ray-velo status [--address auto] [--json]
 ray-velo stop [--address auto]
 ray-velo cleanup [--address auto] [--shm-dir DIR]
 ray-velo grafana [--dir DIR] [--session-dir DIR]
+ray-velo soak [--minutes 10] [--consumers 8] [--address ADDR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -168,6 +169,24 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from ray_velo.bench.soak import format_soak, run_soak
+
+    result = run_soak(
+        args.minutes,
+        args.consumers,
+        address=args.address,
+        seed=args.seed,
+        progress=lambda line: print(line, flush=True),
+    )
+    print(format_soak(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.as_dict(), f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if result.ok else 1
+
+
 def _grafana(args: argparse.Namespace) -> int:
     from ray_velo.ops import dashboard_dir, install_dashboard
 
@@ -223,6 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands["status"].add_argument(
         "--json", action="store_true", help="a JSON list, one object per node agent"
     )
+    soak = sub.add_parser(
+        "soak", help="mixed traffic across two nodes; fails if anything grows past its slack"
+    )
+    soak.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
+    soak.add_argument("--consumers", type=int, default=8, help="consumer actors (default 8)")
+    soak.add_argument("--address", help="an existing cluster (default: an embedded one)")
+    soak.add_argument("--seed", type=int, default=0, help="the traffic's random seed")
+    soak.add_argument("--json", metavar="FILE", help="also write the samples and verdict")
+    soak.set_defaults(run=_soak)
     grafana = sub.add_parser("grafana", help="install the Grafana dashboard for Ray's Grafana")
     grafana.add_argument("--dir", help="install here (default: where Ray's Grafana reads)")
     grafana.add_argument(
