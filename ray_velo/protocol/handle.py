@@ -7,6 +7,7 @@ A restarted agent draws a new random worker id, so it never answers for a dead o
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +35,8 @@ class DataHandle:
         for name in ("worker_id", "slot_id"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= U64_MAX:
-                raise ProtocolError(f"DataHandle.{name} must be a u64, got {value!r}")
+                # reprlib: the value may be a peer's, nested past repr()'s recursion limit.
+                raise ProtocolError(f"DataHandle.{name} must be a u64, got {reprlib.repr(value)}")
 
     @property
     def value(self) -> int:
@@ -56,7 +58,7 @@ class DataHandle:
     def from_wire(cls, wire: Any) -> DataHandle:
         """Parse the wire form ``{hi, lo}``. Raises ProtocolError for anything else."""
         if not isinstance(wire, dict) or "hi" not in wire or "lo" not in wire:
-            raise ProtocolError(f"a DataHandle on the wire is {{hi, lo}}, got {wire!r}")
+            raise ProtocolError(f"a DataHandle on the wire is {{hi, lo}}, got {reprlib.repr(wire)}")
         return cls(wire["hi"], wire["lo"])
 
     def __str__(self) -> str:

@@ -13,6 +13,7 @@ Handlers: ``_rv_metadata`` (MetadataRequest -> MetadataResponse), ``_rv_acquire`
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -281,5 +282,6 @@ def decode_acquire_response(data: bytes | bytearray | memoryview) -> Ready | Rdm
     kind = wire.get("kind", "ready")
     cls = _ACQUIRE_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown acquire answer kind {kind!r}")
+        # reprlib: a peer's kind may be nested past repr()'s recursion limit.
+        raise ProtocolError(f"unknown acquire answer kind {reprlib.repr(kind)}")
     return _from_wire(cls, wire)

@@ -29,7 +29,15 @@ from typing import Any, Final
 from ray_velo.errors import TestbedError
 from ray_velo.testbed.netns import IFACE, Network, parse_rate, remove_stale_networks
 
-__all__ = ["ENV_VAR", "GCS_PORT", "Host", "Testbed", "TestbedInfo", "connect"]
+__all__ = [
+    "ENV_VAR",
+    "GCS_PORT",
+    "Host",
+    "Testbed",
+    "TestbedInfo",
+    "connect",
+    "remove_segments_of",
+]
 
 GCS_PORT: Final = 6379
 ENV_VAR: Final = "RAY_VELO_TESTBED"
@@ -161,7 +169,7 @@ class Testbed:
             return
         self._started = False
         ended = self.network.destroy()
-        _remove_segments_of(ended)
+        remove_segments_of(ended)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> Testbed:
@@ -313,7 +321,7 @@ def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:
         time.sleep(0.1)
 
 
-def _remove_segments_of(pids: Sequence[int], directory: str = "/dev/shm") -> list[str]:
+def remove_segments_of(pids: Sequence[int], directory: str = "/dev/shm") -> list[str]:
     """Remove the ray_velo segments that the (now ended) processes ``pids`` created."""
     from ray_velo.memory.arena import SEGMENT_PREFIX
 

@@ -87,6 +87,8 @@ def parse_packed_rkey(
         DescriptorError: for any blob UCX could not parse within its own bytes, or one this
             library refuses (non-host memory, more than ``MAX_MD_MAP_BITS`` memory domains).
     """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise DescriptorError(reason=f"a packed rkey is bytes, got {type(blob).__name__}")
     data = bytes(blob)
     n = len(data)
     md_map, mem_type = _header(data, max_len)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from ray_velo.testbed import Testbed
@@ -53,3 +56,20 @@ def test_consumer_that_cannot_reach_the_owner_falls_back_once(testbed: Testbed) 
     assert result["consumer_paths"] == {"chunked/get_failed": 1}
     assert result["owner_paths"] == {"rdma/ok": 1, "chunked/no_offer": 1}
     assert result["owner_live_slots"] == 0
+
+
+def test_the_quickstart_runs_on_the_ray_start_cluster(testbed: Testbed) -> None:
+    """examples/quickstart.py (the README's example) run as a user runs it on a cluster
+    started with ``ray start`` on two hosts: it joins through RAY_ADDRESS, its sum is exact,
+    and it ends cleanly (the testbed then checks that nothing it started is left)."""
+    import numpy as np
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.py")
+    done = testbed.run(
+        [sys.executable, os.path.abspath(example)],
+        env={"RAY_ADDRESS": testbed.address},
+        timeout_s=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = float(np.random.default_rng(0).standard_normal(32 << 20).sum())
+    assert float(done.stdout.strip().splitlines()[-1]) == pytest.approx(expected, rel=1e-12)

@@ -4,6 +4,8 @@ decoder raises ProtocolError and nothing else (after h11: only the peer's error 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -95,3 +97,34 @@ def test_buffers_of_every_kind_decode() -> None:
     encoded = descriptor.encode()
     for data in (encoded, bytearray(encoded), memoryview(encoded)):
         assert RdmaDescriptor.decode(data) == descriptor
+
+
+NESTED = 1000  # levels: past repr()'s recursion limit, within msgpack's 1024
+decode_ref = functools.partial(messages.decode, messages.RefRequest)
+
+
+@pytest.mark.parametrize(
+    ("decode", "blob", "reason"),
+    [
+        (decode_ref, b"\x81\xa6handle" + b"\x91" * NESTED + b"\x01", "a DataHandle on the wire"),
+        (
+            decode_ref,
+            b"\x81\xa6handle\x82\xa2lo\x01\xa2hi" + b"\x91" * NESTED + b"\x01",
+            "DataHandle.worker_id must be a u64",
+        ),
+        (
+            messages.decode_acquire_response,
+            b"\x81\xa4kind" + b"\x81\xa1a" * NESTED + b"\x01",
+            "unknown acquire answer kind",
+        ),
+    ],
+    ids=["handle_nested_list", "handle_hi_nested_list", "kind_nested_map"],
+)
+def test_a_deeply_nested_value_is_refused_with_protocol_error(
+    decode: Callable[[bytes], object], blob: bytes, reason: str
+) -> None:
+    """Found at scale (test_fuzz_at_scale): the refusal quoted the peer's value with repr(),
+    which raised RecursionError 1000 levels down; the quote is now bounded."""
+    with pytest.raises(ProtocolError, match=reason) as info:
+        decode(blob)
+    assert len(str(info.value)) < 200
