@@ -421,7 +421,7 @@ class RendezvousAgent:
         ``shutdown_timeout``, else 30 s):
 
         1. gate: no new reservation, region or fetch; acquires answer chunked (``draining``);
-        2. stop the reaper (the timer);
+        2. stop the reaper (the timer); the drains pass over leases whose deadline passed;
         3. demote: copy every registered slot to plain memory, so a chunked pull admitted
            before the gate still finishes;
         4. drain the GETs: this agent's own fetches, the RDMA leases on its memory, and the
@@ -458,7 +458,7 @@ class RendezvousAgent:
         core.memory.close_registered(unmap=self.consumer.inflight == 0)
         store = core.state.store
         report["pulls_drained"] = int(
-            core.wait_until(lambda: store.leases_of("chunked") == 0, deadline)
+            core.wait_until(lambda: store.leases_of("chunked", core.clock()) == 0, deadline)
         )
         if not report["pulls_drained"]:
             _log.warning(
@@ -509,8 +509,9 @@ class RendezvousAgent:
         which may sit in registered memory, after the fetch returns)."""
         store = self.core.state.store
         fetches = self.consumer.wait_idle(max(0.0, deadline - time.monotonic()))
+        clock = self.core.clock
         leases = self.core.wait_until(
-            lambda: store.leases_of("rdma") == 0 and store.late_reads == 0, deadline
+            lambda: store.leases_of("rdma", clock()) == 0 and store.late_reads == 0, deadline
         )
         if not (fetches and leases):
             _log.warning(

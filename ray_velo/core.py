@@ -115,9 +115,15 @@ class AgentCore:
             self.perform(fx)
 
     def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
-        """Wait (under the lock) until ``ready()`` or the monotonic ``deadline``; says which."""
+        """Wait (under the lock) until ``ready()`` or the monotonic ``deadline``; says which.
+        Looks again at least every 0.1 s: a lease deadline passes without a change."""
         with self.lock:
-            return self.changed.wait_for(ready, max(0.0, deadline - time.monotonic()))
+            while not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(min(left, 0.1))
+            return True
 
     def perform(self, fx: Effects) -> None:
         """Give buffers back, release anchors, poke the timer (outside the lock)."""

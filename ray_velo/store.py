@@ -291,9 +291,13 @@ class SlotStore:
         """Bytes of every slot whose bytes are held."""
         return sum(s.total_len for s in self._slots.values())
 
-    def leases_of(self, kind: LeaseKind) -> int:
-        """Leases of ``kind`` held now (shutdown drains ``rdma``, then ``chunked``)."""
-        return sum(1 for lease in self._leases.values() if lease.kind == kind)
+    def leases_of(self, kind: LeaseKind, now: float | None = None) -> int:
+        """Leases of ``kind`` held (shutdown drains ``rdma``, then ``chunked``); with ``now``,
+        only those whose deadline has not passed (an expired one has no consumer left)."""
+        return sum(
+            1 for lease in self._leases.values()
+            if lease.kind == kind and (now is None or lease.deadline is None or lease.deadline > now)
+        )  # fmt: skip
 
     @property
     def late_reads(self) -> int:

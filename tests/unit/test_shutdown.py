@@ -191,3 +191,18 @@ def test_a_second_shutdown_returns_at_once(pair: AgentPair) -> None:
     first = pair.owner.shutdown(5.0)
     assert first["slots"] == 1
     assert pair.owner.shutdown(5.0) == {"slots": 0}
+
+
+def test_a_lease_past_its_deadline_does_not_hold_the_drain(pair: AgentPair) -> None:
+    """The reaper is stopped during shutdown, but a lease whose deadline passed has no
+    consumer left: the drain passes over it instead of waiting out the bound."""
+    owner = pair.owner
+    get = decode_acquire_response(
+        owner.owner._rv_acquire(encode(AcquireRequest(pair.put(payload(MiB)), rdma=RdmaOffer())))
+    )
+    assert isinstance(get, Rdma) and get.lease_timeout_ms > 0
+    pair.clock.advance(get.lease_timeout_ms / 1000 + 1)  # abandoned; no tick reaped it
+    stopping = Shutdown(owner, timeout_s=20.0)
+    report = stopping.join()
+    assert report["gets_drained"] == 1
+    assert stopping.elapsed_s < 5.0
