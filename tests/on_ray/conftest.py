@@ -92,6 +92,12 @@ def velo(cluster: Cluster) -> Iterator[None]:
 
     before = {n: agent_info(n)["live_slots"] for n in ("node_a", "node_b")}
     yield
+    # a test that killed an agent leaves a fresh one on next use: wire it to its peers, as
+    # rv.init does, so the next test's first fetch can offer RDMA
+    from ray_velo.actors import alive_node_ids, ensure_agent
+    from ray_velo.actors.directory import register_all_peers
+
+    register_all_peers({n: ensure_agent(n) for n in alive_node_ids()})
     deadline = time.monotonic() + 10
     while True:
         infos = {n: agent_info(n) for n in ("node_a", "node_b")}

@@ -240,7 +240,8 @@ def test_an_agent_restarted_ends_its_old_handles_naming_the_restart(velo: None) 
 
 @ray.remote(max_retries=0, **ON_B)
 def _put_then_die(nbytes: int, ttl: float) -> None:
-    rv.put(np.ones(nbytes, dtype=np.uint8), ttl=ttl)
+    handle = rv.put(np.ones(nbytes, dtype=np.uint8), ttl=ttl)
+    rv.metadata(handle)  # a round trip after the put's commit, which put does not wait for
     os.kill(os.getpid(), signal.SIGKILL)
 
 

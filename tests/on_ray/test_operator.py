@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import ray_velo as rv
+from ray_velo.actors.directory import register_all_peers
 from ray_velo.config import MiB
 
 from .conftest import TEST_CONFIG, agent_info, node_ids
@@ -91,5 +92,6 @@ def test_cleanup_removes_a_killed_agents_segments_and_nothing_live(
     assert "segments of dead processes" in done.stdout
     total = int(done.stdout.rsplit("segments of dead processes, ", 1)[1].split(" B")[0])
     assert total >= 3 * MiB
-    # node b gets a fresh agent on its next use
+    # node b gets a fresh agent on its next use; wired to its peers as rv.init would
     assert agent_info("node_b")["pid"] != killed
+    register_all_peers()
