@@ -4,6 +4,7 @@ No Ray, no UCX; every scenario ends with both owner states valid and nothing lef
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -324,3 +325,76 @@ def test_an_empty_payload_and_bytes_of_every_size(pair: AgentPair) -> None:
         handle = pair.put(payload(size, size))
         assert pair.fetch(handle) == payload(size, size)
     nothing_left(pair)
+
+
+def test_a_pinned_writer_evicts_idle_warm_memory_before_falling_back(tmp_path: Path) -> None:
+    """A 48 MiB dedicated arena stays warm on the owner after its payload went. A producer
+    then asks for a 300 MiB pinned writer: that passes the 256 MiB budget even with the warm
+    arena gone, so it falls back to plain memory and the warm arena is kept. A 220 MiB writer
+    fits only once the warm arena is evicted: it gets registered memory (no fallback), and the
+    registered-bytes gauge equals the budget's own count after every step."""
+    with AgentPair(tmp_path / "shm") as pair:
+        core = pair.owner.core
+        budget, pool = core.memory.budget, core.memory.pinned_pool
+        assert pool is not None
+        gauge = lambda: core.metrics.snapshot()["velo_rdma_registered_bytes"]  # noqa: E731
+        handle = pair.put(payload(48 * MiB))
+        assert pair.fetch(handle) == payload(48 * MiB)
+        assert (pool.arenas, pool.used_bytes) == (1, 0)  # the emptied arena, kept warm
+        assert gauge() == budget.registered_bytes == 48 * MiB
+
+        too_big = pair.owner.stage_reserve(300 * MiB, True, os.getpid())
+        pending = core.state.reservation(too_big.reservation_id)
+        assert pending is not None and (pending.kind, pending.pinned) == ("plain", False)
+        assert pair.owner_paths() == {"rdma/ok": 1, "chunked/budget": 1}
+        assert pool.arenas == 1 and gauge() == budget.registered_bytes == 48 * MiB
+        pair.owner.stage_abort(too_big.reservation_id)
+
+        writer = pair.owner.stage_reserve(220 * MiB, True, os.getpid())
+        pending = core.state.reservation(writer.reservation_id)
+        assert pending is not None and (pending.kind, pending.pinned) == ("dedicated", True)
+        assert pair.owner_paths() == {"rdma/ok": 1, "chunked/budget": 1}  # no new fallback
+        assert (pool.arenas, pool.mapped_bytes) == (1, 220 * MiB)  # the warm arena went
+        assert gauge() == budget.registered_bytes == 220 * MiB <= budget.budget_bytes
+        view = pair.segments.view(writer.path, writer.offset, writer.nbytes)
+        view[-1] = 7  # the producer can write all of it
+        del view
+        pair.owner.stage_abort(writer.reservation_id)  # over warm_dedicated_bytes: unmapped
+        assert gauge() == budget.registered_bytes == 0
+        nothing_left(pair)
+
+
+def test_without_warm_memory_a_freed_arena_is_unmapped_and_the_gauge_follows(
+    tmp_path: Path,
+) -> None:
+    """warm_dedicated_bytes=0 (the spec's behaviour): the owner's 48 MiB arena and the
+    consumer's GET destination are unmapped as soon as their payload goes, and on both agents
+    the registered-bytes gauge drops with the budget's count to zero."""
+    base = default_config()
+    config = base.replace(
+        rdma=dataclasses.replace(
+            base.rdma, pool=dataclasses.replace(base.rdma.pool, warm_dedicated_bytes=0)
+        )
+    )
+    with AgentPair(tmp_path / "shm", config) as pair:
+        agents = (pair.owner, pair.consumer)
+
+        def registered() -> list[tuple[int, int]]:
+            return [
+                (a.core.metrics.snapshot()["velo_rdma_registered_bytes"],
+                 a.core.memory.budget.registered_bytes)
+                for a in agents
+            ]  # fmt: skip
+
+        handle = pair.put(payload(48 * MiB))
+        assert registered() == [(48 * MiB, 48 * MiB), (0, 0)]
+        lease = pair.lease(handle)
+        assert pair.consumer_paths() == {"rdma/ok": 1}
+        assert registered() == [(0, 0), (48 * MiB, 48 * MiB)]  # the owner's slot went
+        assert pair.read(lease) == payload(48 * MiB)
+        pair.end(lease)
+        assert registered() == [(0, 0), (0, 0)]
+        for agent in agents:
+            assert agent.core.memory.pinned_pool is not None
+            assert agent.core.memory.pinned_pool.arenas == 0
+        nothing_left(pair)
