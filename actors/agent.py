@@ -284,9 +284,11 @@ class RendezvousAgent:
 
     def stage_commit(
         self, reservation_id: int, nbytes: int, type_header: TypeHeader, ttl: float | None,
-        refcount: int,
+        refcount: int, follow_producer: bool = False,
     ) -> DataHandle:  # fmt: skip
-        return self.producers.commit(reservation_id, nbytes, type_header, ttl, refcount)
+        return self.producers.commit(
+            reservation_id, nbytes, type_header, ttl, refcount, follow_producer
+        )
 
     def stage_abort(self, reservation_id: int) -> None:
         self.producers.abort(reservation_id)

@@ -11,6 +11,8 @@ Importing ``ray_velo`` is cheap: Ray itself is imported on first use of the API.
 from __future__ import annotations
 
 import importlib
+import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ray_velo.config import (
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
         release,
         shutdown,
     )
+    from ray_velo.rdt import register_transports
     from ray_velo.staging import (
         StagedValue,
         TransferOptions,
@@ -78,6 +81,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY_STAGING = {"StagedValue", "TransferOptions", "resolve", "resolve_stream", "transfer"}
+_LAZY_RDT = {"register_transports"}
 _LAZY_API = {
     "PinnedBuf",
     "PinnedWriter",
@@ -150,6 +154,7 @@ __all__ = [
     "register_data",
     "register_data_in_region",
     "register_data_pinned",
+    "register_transports",
     "release",
     "resolve",
     "resolve_stream",
@@ -161,8 +166,14 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The Ray-facing API loads on first use, so `import ray_velo` (and the pure protocol
     # core under it) never imports Ray.
-    if name in _LAZY_API or name in _LAZY_STAGING:
-        module = "ray_velo.api" if name in _LAZY_API else "ray_velo.staging"
+    if name in _LAZY_API or name in _LAZY_STAGING or name in _LAZY_RDT:
+        module = (
+            "ray_velo.api"
+            if name in _LAZY_API
+            else "ray_velo.staging"
+            if name in _LAZY_STAGING
+            else "ray_velo.rdt"
+        )
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
@@ -171,3 +182,15 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+if "ray" in sys.modules:
+    # Ray checks a tensor_transport name when @ray.method(tensor_transport="VELO") runs,
+    # which is at class definition, usually before rv.init(): a program that imported Ray
+    # (and torch, for "VELO") before ray_velo gets the transports registered now.
+    try:
+        from ray_velo.rdt import register_transports as _register_transports
+
+        _register_transports(import_torch=False)
+    except Exception:  # never fail an import over an optional integration
+        logging.getLogger(__name__).debug("tensor transports not registered", exc_info=True)

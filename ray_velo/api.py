@@ -81,7 +81,9 @@ _started_ray = False
 
 
 def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
-    """Start ray_velo: ``ray.init()`` if needed, then one agent on every alive node.
+    """Start ray_velo: ``ray.init()`` if needed, then one agent on every alive node, and
+    register the ``"VELO"`` / ``"VELO_NUMPY"`` tensor transports with Ray (call it before
+    creating the actors that use them).
 
     Without a running Ray, this starts an embedded local cluster (``ray.init(**kwargs)``);
     with one (``ray.init(address=...)`` first, or inside a task) it joins it. Tasks never
@@ -101,6 +103,10 @@ def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
     config = config or load_cluster_config()
     ensure_agents(config)
     session.current()
+    # Before the caller creates actors: Ray hands the registrations to actors created later.
+    from ray_velo.rdt import register_transports
+
+    register_transports()
 
 
 def is_initialized() -> bool:

@@ -181,8 +181,16 @@ def copy_into(dest: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
         helper.join()
 
 
-def stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> DataHandle:
-    """Stage ``obj`` on this node's agent with ``consumers`` references; its handle.
+def stage(
+    obj: Any,
+    *,
+    pinned: bool,
+    ttl: float | None,
+    consumers: int = 1,
+    follow_producer: bool = False,
+) -> DataHandle:
+    """Stage ``obj`` on this node's agent with ``consumers`` references; its handle (with
+    ``follow_producer`` the handle also ends when this process dies).
 
     Returns as soon as the bytes are written: the commit is sent without waiting, and a call
     that names the handle before it lands waits for it on the agent.
@@ -204,7 +212,7 @@ def stage(obj: Any, *, pinned: bool, ttl: float | None, consumers: int = 1) -> D
             copy_into(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
             del dest
         session.agent.stage_commit.remote(
-            reservation.reservation_id, nbytes, header, ttl, consumers
+            reservation.reservation_id, nbytes, header, ttl, consumers, follow_producer
         )
     except BaseException:
         session.agent.stage_abort.remote(reservation.reservation_id)

@@ -255,6 +255,13 @@ class SlotStore:
             raise self._gone(handle, slot.ended)
         return slot
 
+    def is_live(self, handle: DataHandle) -> bool:
+        """Whether ``handle`` names a slot of this store that has not ended."""
+        if handle.worker_id != self.worker_id:
+            return False
+        slot = self._slots.get(handle.slot_id)
+        return slot is not None and slot.ended is None
+
     def metadata(self, handle: DataHandle) -> HandleMetadata:
         """Size, refcount and pinned of ``handle``'s slot. Raises HandleNotFound."""
         slot = self.slot(handle)

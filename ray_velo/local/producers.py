@@ -57,8 +57,10 @@ class ProducerService:
         type_header: TypeHeader,
         ttl: float | None,
         refcount: int,
+        follow_producer: bool = False,
     ) -> DataHandle:
-        """Turn a written reservation into a slot; returns its handle.
+        """Turn a written reservation into a slot; returns its handle (with
+        ``follow_producer`` it ends when the producing process dies).
 
         Raises:
             StagingError: the reservation is unknown (aborted, its producer died) or the
@@ -71,8 +73,9 @@ class ProducerService:
                 core.check_open()
                 pending = core.state.reservation(reservation_id)
                 handle = core.state.commit(
-                    reservation_id, nbytes, type_header, ttl, refcount, core.clock(), fx
-                )
+                    reservation_id, nbytes, type_header, ttl, refcount, core.clock(), fx,
+                    follow_producer=follow_producer,
+                )  # fmt: skip
         finally:
             if pending is not None:
                 core.commits.landed(pending.slot_id)

@@ -55,6 +55,7 @@ __all__ = [
 PULL_GRACE_S = 1.0
 #: A node-local copy whose last reader is gone ends with this reason.
 COPY_UNUSED = "its node-local copy has no reader left"
+PRODUCER_DIED = "the process that staged it died"
 
 ReadMode = Literal["release", "detach", "hold", "claim"]
 
@@ -150,6 +151,7 @@ class OwnerState:
         self._copies: dict[DataHandle, int] = {}  # remote handle -> local copy slot id
         self._copy_of: dict[int, DataHandle] = {}
         self._claims: dict[int, Counter[DataHandle]] = {}  # pid -> claims it holds
+        self._followed: dict[int, set[DataHandle]] = {}  # pid -> handles that end with it
         self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
 
     # --- the ledger ------------------------------------------------------------------
@@ -205,9 +207,13 @@ class OwnerState:
         refcount: int,
         now: float,
         fx: Effects,
+        *,
+        follow_producer: bool = False,
     ) -> DataHandle:
         """Turn reservation ``rid`` into a slot. Raises StagingError if it is gone; a
-        failure to stage gives its buffer back (in ``fx``) before raising."""
+        failure to stage gives its buffer back (in ``fx``) before raising. With
+        ``follow_producer`` the handle ends when the producing process dies (a Ray Direct
+        Transport object, whose normal end is its source process's garbage collection)."""
         pending = self._reservations.pop(rid, None)
         if pending is None:
             raise StagingError(f"reservation {rid} is unknown or was reaped")
@@ -231,7 +237,16 @@ class OwnerState:
         if pending.buffer is not None:
             self._move(pending.buffer, f"reservation:{rid}", f"slot:{pending.slot_id}")
         fx.poke = fx.poke or ttl is not None
+        if follow_producer and pending.pid:
+            self._follow(pending.pid, handle)
         return handle
+
+    def _follow(self, pid: int, handle: DataHandle) -> None:
+        followed = self._followed.setdefault(pid, set())
+        followed.add(handle)
+        if len(followed) >= 64 and len(followed) & (len(followed) - 1) == 0:
+            # A long-lived producer: forget its handles that already ended (amortised).
+            followed.intersection_update({h for h in followed if self.store.is_live(h)})
 
     def abort(self, rid: int, why: str, fx: Effects) -> int | None:
         """Give reservation ``rid``'s buffer back (a failed put, a closed PinnedWriter); a
@@ -469,7 +484,7 @@ class OwnerState:
     def watched_pids(self) -> set[int]:
         """Processes whose death the agent must notice: local readers, producers, claimers."""
         pids = self.store.holder_pids() | {p.pid for p in self._reservations.values()}
-        return (pids | set(self._claims)) - {0}
+        return (pids | set(self._claims) | set(self._followed)) - {0}
 
     def reap(self, dead: Iterable[int], now: float, fx: Effects) -> Reaped:
         """Processes ``dead`` died: end their local leases, abort their reservations, drop
@@ -486,6 +501,10 @@ class OwnerState:
         for pid in dead & set(self._claims):
             for handle, count in self._claims.pop(pid).items():
                 reaped.unclaim += [handle] * count
+        for pid in dead & set(self._followed):
+            for handle in self._followed.pop(pid):
+                if self.store.is_live(handle):
+                    self._bytes_end(self.store.end(handle, PRODUCER_DIED), now, fx)
         return reaped
 
     @property

@@ -95,24 +95,21 @@ class Resolution:
 
 
 def _get_refs(value: Any, timeout: float | None) -> Any:
-    if isinstance(value, ray.ObjectRef):
-        return ray.get(value, timeout=timeout)
-    if isinstance(value, list) and value and all(isinstance(v, ray.ObjectRef) for v in value):
-        return ray.get(value, timeout=timeout)
-    if (
-        isinstance(value, dict)
-        and value
-        and all(isinstance(v, ray.ObjectRef) for v in value.values())
-    ):
-        keys = list(value)
-        return dict(zip(keys, ray.get([value[k] for k in keys], timeout=timeout), strict=True))
-    return value
+    """``value`` with every ObjectRef in it (at any depth of lists, tuples and dicts)
+    replaced by its value, all fetched with one ``ray.get``."""
+    refs: list[Any] = []
+    visit(value, lambda leaf: refs.append(leaf) if isinstance(leaf, ray.ObjectRef) else None)
+    if not refs:
+        return value
+    got = dict(zip(refs, ray.get(refs, timeout=timeout), strict=True))
+    return walk(value, lambda leaf: got[leaf] if isinstance(leaf, ray.ObjectRef) else leaf)
 
 
 def resolve(value: Any, *, timeout: float | None = None) -> Any:
     """A call's result with every staged payload fetched (for the driver or any undecorated
     code); each staged value is consumed. Accepts an ObjectRef, a list or dict of them, or
-    an already-fetched value.
+    an already-fetched value, or lists, tuples and dicts holding any of these at any depth
+    (every ObjectRef in it is fetched with one ``ray.get``).
 
     Raises:
         HandleReleased: a staged value was resolved more times than its ``consumers``.

@@ -14,10 +14,11 @@ the spec's transparent staging onto Ray.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import ray
@@ -32,7 +33,8 @@ __all__ = [
     "transfer",
 ]
 
-_MARK = "__ray_velo_transfer__"
+_MARK = "__ray_velo_transfer__"  # a decorated method's options
+_RAW = "__ray_velo_raw__"  # a decorated method's undecorated function
 
 
 # --- the callee side --------------------------------------------------------------------------
@@ -52,11 +54,10 @@ def _callee(
     its arguments again and a failed one leaves nothing behind. A worker that crashes gives
     its claims back (its agent sees it die): Ray retries system failures.
     """
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
-        raise TypeError(
-            f"@ray_velo.transfer does not support async {fn.__qualname__} yet; use a sync "
-            "function or actor method"
-        )
+    if inspect.iscoroutinefunction(fn):
+        return _async_callee(fn, options, retried_on_error)
+    if inspect.isasyncgenfunction(fn):
+        return _async_generator_callee(fn, options, retried_on_error)
     if inspect.isgeneratorfunction(fn):
 
         @functools.wraps(fn)
@@ -93,6 +94,51 @@ def _callee(
             resolution.end(consume=ok or not retried_on_error)
 
     return body
+
+
+def _async_callee(
+    fn: Callable[..., Any], options: TransferOptions, retried_on_error: bool
+) -> Callable[..., Any]:
+    """:func:`_callee` for ``async def``: fetching and staging block on Ray calls, so they
+    run in a worker thread and the actor's event loop keeps serving other calls."""
+
+    @functools.wraps(fn)
+    async def async_body(*args: Any, **kwargs: Any) -> Any:
+        resolution = Resolution("claim")
+        ok = False
+        try:
+            args, kwargs = await asyncio.to_thread(resolution.tree, (args, kwargs))
+            result = await fn(*args, **kwargs)
+            if options.stage_returns:
+                result = await asyncio.to_thread(stage_tree, result, options, _budget(options))
+            ok = True
+            return result
+        finally:
+            resolution.end(consume=ok or not retried_on_error)
+
+    return async_body
+
+
+def _async_generator_callee(
+    fn: Callable[..., Any], options: TransferOptions, retried_on_error: bool
+) -> Callable[..., Any]:
+    """:func:`_callee` for ``async def`` generators (streaming actor methods)."""
+
+    @functools.wraps(fn)
+    async def async_generator_body(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        resolution = Resolution("claim")
+        ok = False
+        try:
+            args, kwargs = await asyncio.to_thread(resolution.tree, (args, kwargs))
+            async for item in fn(*args, **kwargs):
+                if options.stage_returns:
+                    item = await asyncio.to_thread(stage_tree, item, options, _budget(options))
+                yield item
+            ok = True
+        finally:
+            resolution.end(consume=ok or not retried_on_error)
+
+    return async_generator_body
 
 
 # --- the caller side ---------------------------------------------------------------------------
@@ -194,6 +240,7 @@ class TransferActorClass:
             for name, method_options in _inner_methods(user_class, options):
                 self._methods[name] = method_options
                 method = getattr(user_class, name)
+                method = getattr(method, _RAW, method)  # decorated on its own too
                 # @ray.method(retry_exceptions=...) (or the class's) marks a method whose
                 # failed calls Ray retries: its arguments must outlive a failed attempt.
                 retried = bool(getattr(method, "__ray_retry_exceptions__", False)) and (
@@ -266,9 +313,24 @@ def _wrong_order(target: Any) -> TypeError:
     return TypeError(
         f"@ray_velo.transfer must sit above @ray.remote ({kind} {name}):\n"
         "    @ray_velo.transfer\n    @ray.remote\n    def f(...): ...\n"
-        "(inside an actor class, @ray_velo.transfer(...) on a method only sets that method's "
-        "options; the class itself still needs @ray_velo.transfer above @ray.remote)"
+        "(inside an actor class, @ray_velo.transfer(...) on a method stages that method's "
+        "results and resolves its staged arguments; @ray_velo.transfer above the class's "
+        "@ray.remote also stages the arguments its callers pass)"
     )
+
+
+def _method(method: Callable[..., Any], options: TransferOptions) -> Callable[..., Any]:
+    """A method decorated inside its class. Wrapped on its own, so that it also works in a
+    plain ``@ray.remote`` class: its body resolves staged arguments and stages its results
+    (callers' arguments are staged only through a decorated class's handles). A decorated
+    class reads the options and wraps the undecorated function instead."""
+    retried = bool(getattr(method, "__ray_retry_exceptions__", False)) and bool(
+        getattr(method, "__ray_max_task_retries__", 0)
+    )
+    wrapped = _callee(method, options, retried_on_error=retried)
+    setattr(wrapped, _MARK, options)
+    setattr(wrapped, _RAW, method)
+    return wrapped
 
 
 def _apply(target: Any, options: TransferOptions) -> Any:
@@ -279,8 +341,7 @@ def _apply(target: Any, options: TransferOptions) -> Any:
     if inspect.isfunction(target):
         parts = target.__qualname__.split(".")
         if len(parts) >= 2 and parts[-2] != "<locals>":
-            setattr(target, _MARK, options)  # a method: its class's decorator reads this
-            return target
+            return _method(target, options)
     raise _wrong_order(target)
 
 
@@ -296,8 +357,11 @@ def transfer(
     """Stage large arguments and results of a ``@ray.remote`` function or actor class.
 
     Use bare (``@ray_velo.transfer``) or with options; it goes above ``@ray.remote``. On a
-    method inside an actor class it sets that method's options (the class needs the
-    decorator too). See the module docstring for the semantics.
+    method inside an actor class it sets that method's options, and works in a plain
+    ``@ray.remote`` class too: the method resolves staged arguments and stages its results
+    (arguments are staged at the caller only through a decorated class's handles). Async
+    functions, async actor methods and async generators are supported (fetching and staging
+    run off the event loop). See the module docstring for the semantics.
 
     Raises:
         TypeError: at decoration time, when placed below ``@ray.remote`` (the message shows

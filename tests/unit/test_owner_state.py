@@ -217,6 +217,33 @@ def test_claims_of_a_dead_process_are_handed_back() -> None:
     state.validate()
 
 
+def test_a_handle_that_follows_its_producer_ends_when_it_dies() -> None:
+    """A tensor-transport object is staged to follow its producer: when that process dies
+    its handle ends (a later acquire names why), a reader's view keeps the bytes until it
+    ends, and a handle released before the death is simply gone."""
+    state = OwnerState(WORKER)
+    rid, _ = state.reserve(Buf(11), "pooled", True, PID)
+    fx = Effects()
+    followed = state.commit(rid, 4096, RAW, None, 1, 0.0, fx, follow_producer=True)
+    rid, _ = state.reserve(Buf(12), "pooled", True, PID)
+    released = state.commit(rid, 4096, RAW, None, 1, 0.0, fx, follow_producer=True)
+    plain = staged(state, Buf(13))  # same producer, not following it
+    _, view = state.local_acquire(followed, 77, "detach", 0.0)
+    state.lease_end(released, 0, True, 0.5, fx)  # Ray freed it before the death
+    assert PID in state.watched_pids()
+    fx = Effects()
+    state.reap({PID}, 1.0, fx)
+    state.validate()
+    with pytest.raises(HandleNotFound, match="the process that staged it died"):
+        state.local_acquire(followed, 78, "detach", 1.0)
+    assert freed(fx) == []  # the reader still holds the bytes
+    state.lease_end(followed, view.lease_id, False, 2.0, fx)
+    assert freed(fx) == [Buf(11)]
+    state.local_acquire(plain, 78, "detach", 2.0)  # untouched
+    assert state.watched_pids() == {78}
+    state.validate()
+
+
 # --- random traffic ----------------------------------------------------------------------
 
 

@@ -1,0 +1,427 @@
+"""ray_velo as a Ray Direct Transport: ``@ray.method(tensor_transport="VELO")``.
+
+Ray (2.5x and later) lets a library move an actor method's returned tensors out of band
+(``ray.experimental.register_tensor_transport``). ``rv.init()`` registers two one-sided
+transports backed by the node agents:
+
+- ``"VELO"``: torch tensors (CPU; every dtype, bfloat16 included, travels as raw bytes),
+- ``"VELO_NUMPY"``: numpy arrays.
+
+Lifetimes, in one place:
+
+- ``extract_tensor_transport_metadata`` runs in the source process right after the method
+  returned: each tensor is staged on that node's agent (one copy into shared memory) under a
+  handle with one reference, which *follows its producer*: it ends when Ray garbage-collects
+  the ObjectRef (``garbage_collect``, which drops that reference) or when the source process
+  dies, whichever comes first.
+- ``recv_multiple_tensors`` runs in each receiver (an actor, or the driver for ``ray.get``):
+  it fetches without consuming (``release=False``), through the same paths as ``rv.fetch``
+  (a view on the owner's node, a UCX GET or chunked pulls elsewhere, fallback once). numpy
+  arrays come back as read-only views that keep their bytes while they live (as Ray's own
+  ``ray.get`` does); torch tensors are private, writable copies, or land in the caller's
+  ``target_buffers``.
+
+Ray registers a serializer for the transport's data type in every process that returns an
+RDT object, and its fallback for ordinary returns of that type pickles in band (a copy, and
+no zero-copy read). :func:`_keep_ordinary_returns_zero_copy` puts back the type's own
+out-of-band reduction for ordinary values, so registering a transport costs nothing to code
+that does not use it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pickle
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+from ray.experimental import TensorTransportManager, TensorTransportMetadata
+from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
+
+from ray_velo import session
+from ray_velo.errors import TransferError, UnsupportedPayload
+from ray_velo.protocol import DataHandle
+
+__all__ = [
+    "VELO",
+    "VELO_NUMPY",
+    "VeloNumpyTransport",
+    "VeloTensorTransport",
+    "VeloTransportMetadata",
+    "register_transports",
+]
+
+VELO = "VELO"
+VELO_NUMPY = "VELO_NUMPY"
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass
+class VeloTransportMetadata(TensorTransportMetadata):
+    """What a receiver needs: one handle per tensor (None for an empty one), in order."""
+
+    handles: list[DataHandle | None] = field(default_factory=list)
+    #: Ray's fetch bound (seconds) when the source staged them; bounds each receive.
+    fetch_timeout_s: float | None = None
+
+
+@dataclass
+class VeloCommunicatorMetadata(CommunicatorMetadata):
+    """One-sided: the receiver needs nothing but the handles."""
+
+
+def _rdt_fetch_timeout_s() -> float | None:
+    try:
+        from ray._private import ray_constants
+
+        return float(ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+
+
+class VeloNumpyTransport(TensorTransportManager):
+    """``tensor_transport="VELO_NUMPY"``: numpy arrays through the node agents."""
+
+    backend = VELO_NUMPY
+
+    def __init__(self) -> None:
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+        _keep_ordinary_returns_zero_copy(self.data_type())
+
+    # --- what Ray asks of a transport ----------------------------------------------------
+
+    def tensor_transport_backend(self) -> str:
+        return self.backend
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        # Every receive is bounded (Ray's own RDT fetch timeout): an abort never leaves a
+        # party blocked, so Ray need not kill the actors.
+        return True
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        # Any process of the cluster reaches its node's agent; nothing to create per actor.
+        return True
+
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: str | None = None
+    ) -> VeloCommunicatorMetadata:
+        # One-sided through the node agents: the receiver needs no communicator, nor
+        # enable_tensor_transport (any actor, task or driver of the cluster can receive).
+        return VeloCommunicatorMetadata()
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: str, rdt_object: list[Any]
+    ) -> VeloTransportMetadata:
+        _keep_ordinary_returns_zero_copy(self.data_type())
+        devices = {self._device(value) for value in rdt_object}
+        if len(devices) > 1:
+            raise ValueError(
+                f"object {obj_id}: all tensors of one {self.backend} object must be on one "
+                f"device type, got {sorted(devices)}"
+            )
+        device = devices.pop() if devices else None
+        tensor_meta = [self._meta(value) for value in rdt_object]
+        if device not in (None, "cpu"):
+            # Nothing staged: Ray refuses the device, naming it and the transport.
+            return VeloTransportMetadata(tensor_meta=tensor_meta, tensor_device=device)
+        handles: list[DataHandle | None] = []
+        try:
+            for value in rdt_object:
+                handles.append(self._stage(value))
+        except BaseException:
+            for handle in handles:
+                if handle is not None:
+                    session.release_soon(handle)
+            raise
+        return VeloTransportMetadata(
+            tensor_meta=tensor_meta,
+            tensor_device=device,
+            handles=handles,
+            fetch_timeout_s=_rdt_fetch_timeout_s(),
+        )
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: str,
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+        target_buffers: list[Any] | None = None,
+    ) -> list[Any]:
+        meta = tensor_transport_metadata
+        if not isinstance(meta, VeloTransportMetadata):
+            raise TransferError(
+                f"object {obj_id}: {self.backend} got metadata of another transport "
+                f"({type(meta).__name__})"
+            )
+        with self._lock:
+            if obj_id in self._aborted:
+                raise TransferError(f"object {obj_id}: Ray aborted its {self.backend} transfer")
+        if target_buffers is not None and len(target_buffers) != len(meta.handles):
+            raise ValueError(
+                f"object {obj_id} holds {len(meta.handles)} tensors, "
+                f"{len(target_buffers)} target buffers were given"
+            )
+        out = []
+        for index, handle in enumerate(meta.handles):
+            shape, dtype = meta.tensor_meta[index]
+            target = target_buffers[index] if target_buffers is not None else None
+            out.append(self._receive(handle, shape, dtype, target, meta.fetch_timeout_s))
+        return out
+
+    def send_multiple_tensors(
+        self,
+        tensors: list[Any],
+        tensor_transport_metadata: TensorTransportMetadata,
+        communicator_metadata: CommunicatorMetadata,
+    ) -> None:
+        # One-sided: Ray never calls this for such a transport.
+        raise TransferError(f"{self.backend} is one-sided: the receiver fetches, nothing sends")
+
+    def garbage_collect(
+        self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
+    ) -> None:
+        """Ray freed the ObjectRef: end its handles (views handed out keep their bytes)."""
+        for handle in getattr(tensor_transport_meta, "handles", []):
+            if handle is not None:
+                session.release_soon(handle)
+        with self._lock:
+            self._aborted.discard(obj_id)
+
+    def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
+        """Ray gave up on a transfer: a receive that has not started refuses it. One in
+        progress ends by its own bound (Ray's RDT fetch timeout)."""
+        with self._lock:
+            self._aborted.add(obj_id)
+
+    # --- per data type -------------------------------------------------------------------
+
+    @staticmethod
+    def data_type() -> type:
+        return np.ndarray
+
+    def _device(self, value: Any) -> str:
+        if not isinstance(value, np.ndarray):
+            raise UnsupportedPayload(
+                type_name=f"{type(value).__name__} (VELO_NUMPY moves numpy arrays)"
+            )
+        return "cpu"
+
+    @staticmethod
+    def _meta(value: Any) -> tuple[Any, Any]:
+        return (tuple(value.shape), value.dtype)
+
+    def _stage(self, value: Any) -> DataHandle | None:
+        if value.nbytes == 0:
+            return None
+        return session.stage(value, pinned=True, ttl=None, follow_producer=True)
+
+    def _receive(
+        self,
+        handle: DataHandle | None,
+        shape: Any,
+        dtype: Any,
+        target: Any,
+        timeout_s: float | None,
+    ) -> Any:
+        if handle is None:
+            result = np.empty(shape, dtype=dtype) if target is None else target
+            return result
+        array = session.read(session.lease(handle, "detach", timeout_s))
+        if target is None:
+            return array
+        _copy_checked(np.asarray(target), array, handle)
+        return target
+
+
+class VeloTensorTransport(VeloNumpyTransport):
+    """``tensor_transport="VELO"``: torch tensors (CPU) through the node agents."""
+
+    backend = VELO
+
+    @staticmethod
+    def data_type() -> type:
+        import torch
+
+        return torch.Tensor
+
+    def _device(self, value: Any) -> str:
+        import torch
+
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedPayload(type_name=f"{type(value).__name__} (VELO moves torch tensors)")
+        return str(value.device.type)
+
+    @staticmethod
+    def _meta(value: Any) -> tuple[Any, Any]:
+        return (value.shape, value.dtype)
+
+    def _stage(self, value: Any) -> DataHandle | None:
+        if value.numel() == 0:
+            return None
+        # Raw bytes: any dtype travels, bfloat16 included (numpy has none).
+        flat = value.detach().contiguous().reshape(-1).view(_uint8())
+        return session.stage(flat.numpy(), pinned=True, ttl=None, follow_producer=True)
+
+    def _receive(
+        self,
+        handle: DataHandle | None,
+        shape: Any,
+        dtype: Any,
+        target: Any,
+        timeout_s: float | None,
+    ) -> Any:
+        import torch
+
+        tensor = torch.empty(shape, dtype=dtype) if target is None else target
+        if handle is None:
+            return tensor
+        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(
+                f"target buffer for {handle} must be a contiguous CPU tensor, got one on "
+                f"{tensor.device} (contiguous: {tensor.is_contiguous()})"
+            )
+        view = session.read(session.lease(handle, "detach", timeout_s))
+        # One copy out of the shared copy: the receiver owns a writable tensor, and no
+        # other reader of the node-local copy can see what it writes.
+        _copy_checked(tensor.reshape(-1).view(_uint8()).numpy(), view, handle)
+        return tensor
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _copy_checked(dest: np.ndarray[Any, Any], source: np.ndarray[Any, Any], handle: Any) -> None:
+    if dest.nbytes != source.nbytes:
+        raise ValueError(
+            f"target buffer holds {dest.nbytes} bytes, {handle} holds {source.nbytes} bytes"
+        )
+    session.copy_into(dest.reshape(-1).view(np.uint8), source.reshape(-1).view(np.uint8))
+
+
+# --- registration ----------------------------------------------------------------------
+
+
+def register_transports(*, import_torch: bool = True) -> list[str]:
+    """Register ``VELO_NUMPY`` (and ``VELO`` where torch is installed) with Ray, in this
+    process, before it defines classes that name them and creates those actors (Ray hands
+    registrations to the actors a process creates afterwards).
+
+    ``import ray_velo`` calls it when Ray is already imported (``VELO`` only if torch is
+    too), and :func:`ray_velo.init` calls it; call it yourself when a class naming
+    ``tensor_transport="VELO"`` is defined before either. Returns the names registered now;
+    idempotent; a Ray without ``register_tensor_transport`` registers nothing.
+
+    Args:
+        import_torch: import torch to register ``VELO`` when it is installed but not yet
+            imported.
+    """
+    try:
+        from ray.experimental import register_tensor_transport
+        from ray.experimental.rdt.util import transport_manager_info
+    except ImportError:
+        return []
+    wanted: list[tuple[str, type[VeloNumpyTransport]]] = [(VELO_NUMPY, VeloNumpyTransport)]
+    if "torch" in sys.modules or (import_torch and importlib.util.find_spec("torch")):
+        wanted.append((VELO, VeloTensorTransport))
+    done = []
+    for name, manager in wanted:
+        if name in transport_manager_info:
+            continue
+        register_tensor_transport(name, ["cpu"], manager, manager.data_type())
+        done.append(name)
+    return done
+
+
+# --- ordinary values of the data type stay zero-copy ------------------------------------
+
+_zero_copy_types: set[type] = set()
+_zero_copy_lock = threading.Lock()
+
+
+class _Ordinary:
+    """An ordinary (non-RDT) value pickled by its type's own reduction: for numpy arrays
+    that is protocol 5's out-of-band buffer, so Ray's zero-copy object store path holds."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        reducer = _torch_zero_copy_reducer(self.value)
+        if reducer is not None:
+            return reducer(self.value)
+        return self.value.__reduce_ex__(protocol)
+
+
+def _torch_zero_copy_reducer(value: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        return None
+    context = _serialization_context()
+    if not getattr(context, "_zero_copy_tensors_enabled", False):
+        return None
+    from ray._private import tensor_serialization_utils
+
+    return tensor_serialization_utils.zero_copy_tensors_reducer
+
+
+def _serialization_context() -> Any:
+    return ray._private.worker.global_worker.get_serialization_context()  # type: ignore[no-untyped-call]
+
+
+def _serialize(value: Any) -> Any:
+    context = _serialization_context()
+    local = context._thread_local
+    if getattr(local, "use_external_transport", False):
+        local.rdt_tensors.append(value)  # an RDT return: Ray moves it out of band
+        return len(local.rdt_tensors) - 1
+    return _Ordinary(value)
+
+
+def _deserialize(value: Any) -> Any:
+    if isinstance(value, int):
+        context = _serialization_context()
+        return context._thread_local.rdt_tensors[value]
+    if isinstance(value, bytes):  # pickled in band by Ray's own fallback
+        return pickle.loads(value)
+    return value
+
+
+def _keep_ordinary_returns_zero_copy(data_type: type) -> None:
+    """Replace Ray's RDT serializer for ``data_type`` in this process by one whose ordinary
+    branch keeps the type's own (out-of-band) reduction. Needs the serialization context's
+    thread-local RDT fields (Ray 2.5x); without them Ray's own serializer stays."""
+    if data_type in _zero_copy_types or not ray.is_initialized():
+        return
+    with _zero_copy_lock:
+        if data_type in _zero_copy_types:
+            return
+        context = _serialization_context()
+        registered = getattr(context, "_rdt_custom_serializer_registered", None)
+        if registered is None or not hasattr(context, "_thread_local"):
+            _log.info("ray_velo: this Ray's RDT serializer is kept for %s", data_type)
+            _zero_copy_types.add(data_type)
+            return
+        ray.util.serialization.register_serializer(
+            data_type, serializer=_serialize, deserializer=_deserialize
+        )
+        registered[data_type] = True  # Ray must not put its own back
+        _zero_copy_types.add(data_type)
+        _log.debug("ray_velo: zero-copy serializer for %s in pid %d", data_type, os.getpid())
