@@ -279,8 +279,10 @@ class RendezvousAgent:
 
     # --- same-node producers and readers ---------------------------------------------
 
-    def stage_reserve(self, nbytes: int, pinned: bool, pid: int) -> Reservation:
-        return self.producers.reserve(nbytes, pinned, pid)
+    def stage_reserve(
+        self, nbytes: int, pinned: bool, pid: int, may_map: bool = True
+    ) -> Reservation:
+        return self.producers.reserve(nbytes, pinned, pid, may_map)
 
     def stage_commit(
         self, reservation_id: int, nbytes: int, type_header: TypeHeader, ttl: float | None,
@@ -386,6 +388,8 @@ class RendezvousAgent:
                 core.commits.landed(slot_id)
             self.consumer.return_claims(reaped.unclaim)
             self.regions.reap(dead)
+        if core.memory.warm_up_wanted:
+            core.memory.warm_up(now)  # outside every caller's send (spec: never in a send)
         due += core.memory.reclaim(now)
         if core.rdma is not None:
             core.rdma.reap_idle_endpoints(now)

@@ -141,6 +141,11 @@ class RdmaPoolConfig:
     #: the spec does. Not in the spec: measured here, a fresh 256 MiB arena (reserve, map,
     #: first-touch faults) cost more than the copy it serves (docs/tuning.md).
     warm_dedicated_bytes: int = 1 * GiB
+    #: Transparent staging (``@ray_velo.transfer``) never maps or registers an arena inside
+    #: a caller's send (spec); after it misses registered memory, the agent's timer maps an
+    #: arena of that size and leaves it warm, so the next payload takes the RDMA path. False
+    #: is the spec's behaviour: only an explicit pinned ``put`` ever maps.
+    warm_up_after_miss: bool = True
 
     def __post_init__(self) -> None:
         for name in (

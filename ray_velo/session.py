@@ -188,9 +188,12 @@ def stage(
     ttl: float | None,
     consumers: int = 1,
     follow_producer: bool = False,
+    transparent: bool = False,
 ) -> DataHandle:
     """Stage ``obj`` on this node's agent with ``consumers`` references; its handle (with
-    ``follow_producer`` the handle also ends when this process dies).
+    ``follow_producer`` the handle also ends when this process dies). ``transparent``: a
+    stage inside a caller's send (``@ray_velo.transfer``), which never maps or registers a
+    new arena (a miss stages in plain memory and the agent warms an arena up afterwards).
 
     Returns as soon as the bytes are written: the commit is sent without waiting, and a call
     that names the handle before it lands waits for it on the agent.
@@ -203,7 +206,8 @@ def stage(
     def reserve() -> tuple[Session, Reservation]:
         # Nothing is staged yet: a dead agent's successor can take the reservation instead.
         session = current()
-        return session, call(session.agent.stage_reserve.remote(nbytes, pinned, os.getpid()))
+        reserving = session.agent.stage_reserve.remote(nbytes, pinned, os.getpid(), not transparent)
+        return session, call(reserving)
 
     session, reservation = retrying_dead_agent(reserve)
     try:

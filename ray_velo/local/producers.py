@@ -21,8 +21,9 @@ class ProducerService:
     def __init__(self, core: AgentCore) -> None:
         self.core = core
 
-    def reserve(self, nbytes: int, pinned: bool, pid: int) -> Reservation:
+    def reserve(self, nbytes: int, pinned: bool, pid: int, may_map: bool = True) -> Reservation:
         """Reserve ``nbytes`` for process ``pid`` to write into; commit or abort it next.
+        ``may_map`` False: transparent staging, which never maps a registered arena.
 
         Raises:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
@@ -34,8 +35,10 @@ class ProducerService:
         kind, registered = "empty", False
         if nbytes:  # outside the lock: mapping a new arena must not stall other calls
             placement, kind, registered = core.memory.allocate(
-                nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled
+                nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled, may_map=may_map
             )
+            if core.memory.warm_up_wanted:
+                core.poke()  # the timer maps one for the next payload
         with core.changing() as fx:
             if core.closed:
                 if placement is not None:

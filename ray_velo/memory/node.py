@@ -78,14 +78,29 @@ class NodeMemory:
         )
         self._registrations_seen = 0
         self._seen_lock = threading.Lock()
+        self._warm_up_allowed = pool_config.warm_up_after_miss
+        self._warm_up_wanted: set[int] = set()
+        self._warm_up_lock = threading.Lock()
 
     # --- placing bytes ---------------------------------------------------------------
 
     def allocate(
-        self, nbytes: int, pinned: bool, now: float, *, rdma_enabled: bool, record: bool = True
+        self,
+        nbytes: int,
+        pinned: bool,
+        now: float,
+        *,
+        rdma_enabled: bool,
+        record: bool = True,
+        may_map: bool = True,
     ) -> tuple[Placement, SlotKind, bool]:
         """A placement for ``nbytes`` (>= 1): registered when ``pinned`` and possible, else
         plain. Returns (placement, slot kind, registered).
+
+        ``may_map`` False (transparent staging, inside a caller's send): registered memory
+        only from arenas already mapped, never a new registration; a miss goes to plain
+        memory and asks the timer to warm an arena of that size up (:meth:`warm_up`), so the
+        next such payload finds one.
 
         ``record``: count a pinned-staging fallback in the path metric (the owner's staging
         point, spec labels ``kill_switch``, ``budget``, ``pool_exhausted``). Without a
@@ -100,13 +115,36 @@ class NodeMemory:
                 if record:
                     self.metrics.path("chunked", "kill_switch")
             elif self.pinned_pool is not None:
-                got = self.pinned_pool.allocate(nbytes, now)
+                got = self.pinned_pool.allocate(nbytes, now, may_map=may_map)
                 self._count_registrations()
                 if isinstance(got, Placement):
                     return got, "dedicated" if got.dedicated else "pooled", True
                 if record:
                     self.metrics.path("chunked", got.reason)
+                if not may_map and got.reason == "pool_exhausted" and self._warm_up_allowed:
+                    with self._warm_up_lock:
+                        self._warm_up_wanted.add(nbytes)
         return self._plain(nbytes, now), "plain", False
+
+    @property
+    def warm_up_wanted(self) -> bool:
+        """Whether a transparent staging missed registered memory since the last warm-up."""
+        return bool(self._warm_up_wanted)
+
+    def warm_up(self, now: float) -> None:
+        """Map (and register) an arena for each size transparent staging missed, then give
+        it back to the pool at once: a pooled arena stays mapped, a dedicated one stays warm
+        (``warm_dedicated_bytes``). Runs on the agent's timer, never inside a send; bounded
+        by ``registered_bytes_budget`` like every registration."""
+        with self._warm_up_lock:
+            sizes, self._warm_up_wanted = sorted(self._warm_up_wanted), set()
+        if self.pinned_pool is None:
+            return
+        for nbytes in sizes:
+            got = self.pinned_pool.allocate(nbytes, now)
+            if isinstance(got, Placement):
+                self.pinned_pool.free(got, now)
+        self._count_registrations()
 
     def _plain(self, nbytes: int, now: float) -> Placement:
         got = self.plain_pool.allocate(nbytes, now)

@@ -446,8 +446,9 @@ class ArenaPool:
         Args:
             nbytes: bytes to place, >= 1 (zero-length data goes to plain memory, not here).
             now: the caller's clock (seconds).
-            may_map: False for transparent staging: use only arenas already mapped, never map
-                (nor register) a new one, so a send never stalls on a registration.
+            may_map: False for transparent staging: use only arenas already mapped (pooled
+                ones, or a warm dedicated one), never map (nor register) a new one, so a send
+                never stalls on a registration.
 
         Returns:
             A :class:`Placement`, or a :class:`Fallback` with reason ``"budget"`` (mapping an
@@ -469,6 +470,12 @@ class ArenaPool:
             if placed is not None:
                 return placed
         if not may_map:
+            if dedicated:  # a warm arena is already mapped and registered: take it
+                with self._lock:
+                    warm = None if self._closed else self._take_warm(page_round_up(nbytes))
+                    if warm is not None:
+                        self._records[warm.arena.path] = warm
+                        return Placement(warm.arena, 0, nbytes, None, True, warm.registration)
             what = "needs a dedicated arena" if dedicated else "fits no mapped arena"
             return Fallback("pool_exhausted", nbytes, f"{what}, and this caller may not map one")
         with self._map_lock:

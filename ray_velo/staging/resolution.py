@@ -43,7 +43,11 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
         if nbytes <= threshold:
             return item
         handle = session.stage(
-            item, pinned=True, ttl=options.effective_ttl, consumers=options.consumers
+            item,
+            pinned=True,
+            ttl=options.effective_ttl,
+            consumers=options.consumers,
+            transparent=True,
         )
         return StagedValue(handle, nbytes, options.consumers, budget_s)
 

@@ -162,11 +162,13 @@ class AgentPair:
         ttl: float | None = None,
         consumers: int = 1,
         on: str = "owner",
+        transparent: bool = False,
     ) -> DataHandle:
-        """Stage ``data`` on the owner (or the consumer) as ``rv.put`` does."""
+        """Stage ``data`` on the owner (or the consumer) as ``rv.put`` does (``transparent``:
+        as ``@ray_velo.transfer`` does, never mapping a registered arena)."""
         agent = self.owner if on == "owner" else self.consumer
         header, view = as_bytes_view(data)
-        reservation = agent.stage_reserve(view.nbytes, pinned, self.pid)
+        reservation = agent.stage_reserve(view.nbytes, pinned, self.pid, not transparent)
         if view.nbytes:
             dest = self.segments.view(reservation.path, reservation.offset, view.nbytes)
             np.frombuffer(dest, dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)

@@ -398,3 +398,55 @@ def test_without_warm_memory_a_freed_arena_is_unmapped_and_the_gauge_follows(
             assert agent.core.memory.pinned_pool is not None
             assert agent.core.memory.pinned_pool.arenas == 0
         nothing_left(pair)
+
+
+@pytest.mark.parametrize("size", [1 * MiB, 48 * MiB], ids=["pooled", "dedicated"])
+def test_transparent_staging_never_maps_and_the_timer_warms_an_arena_up(
+    tmp_path: Path, size: int
+) -> None:
+    """@ray_velo.transfer stages inside the caller's send, which must never map or register
+    an arena (spec). On a fresh owner it finds no registered memory: the payload goes to
+    plain memory (counted chunked/pool_exhausted) with no arena mapped, and the owner's timer
+    maps one afterwards; the next transparent payload of that size lands in it, registered,
+    and crosses over RDMA."""
+    with AgentPair(tmp_path / "shm") as pair:
+        pool = pair.owner.core.memory.pinned_pool
+        assert pool is not None and pool.arenas == 0
+        first = pair.put(payload(size), transparent=True)
+        assert pool.arenas == 0  # nothing mapped inside the send
+        assert pair.owner_paths().get("chunked/pool_exhausted") == 1
+        assert pair.fetch(first) == payload(size)
+        pair.tick()  # the timer, outside any send
+        assert pool.arenas == 1 and pool.used_bytes == 0
+        second = pair.put(payload(size, 2), transparent=True)
+        assert pool.arenas == 1 and pool.used_bytes >= size
+        before = pair.consumer_paths().get("rdma/ok", 0)
+        assert pair.fetch(second) == payload(size, 2)
+        assert pair.consumer_paths().get("rdma/ok", 0) == before + 1
+        nothing_left(pair)
+
+
+def test_without_warm_up_transparent_staging_never_registers(tmp_path: Path) -> None:
+    """warm_up_after_miss=False is the spec's behaviour: a process whose only staging is
+    transparent never maps an arena; one explicit pinned put maps the first, and transparent
+    payloads use it afterwards."""
+    config = default_config()
+    config = config.replace(
+        rdma=dataclasses.replace(
+            config.rdma, pool=dataclasses.replace(config.rdma.pool, warm_up_after_miss=False)
+        )
+    )
+    with AgentPair(tmp_path / "shm", config) as pair:
+        pool = pair.owner.core.memory.pinned_pool
+        assert pool is not None
+        for seed in range(2):
+            assert pair.fetch(pair.put(payload(MiB, seed), transparent=True)) == payload(MiB, seed)
+            pair.tick()
+        assert pool.arenas == 0
+        explicit = pair.put(payload(MiB, 5))
+        assert pool.arenas == 1
+        transparent = pair.put(payload(MiB, 6), transparent=True)
+        assert pool.used_bytes >= 2 * MiB  # in the arena the explicit put mapped
+        assert pair.fetch(explicit) == payload(MiB, 5)
+        assert pair.fetch(transparent) == payload(MiB, 6)
+        nothing_left(pair)
