@@ -178,6 +178,8 @@ class RendezvousAgent:
         if timer:
             self._ticker = Ticker(self.tick, name=f"ray_velo-agent-{worker_id:016x}", clock=clock)
             core.poke = self._ticker.poke
+            if memory.warm_up_wanted:
+                core.poke()  # map the first arena now, outside any caller's send
 
     # --- introspection ---------------------------------------------------------------
 
@@ -281,7 +283,7 @@ class RendezvousAgent:
 
     def stage_reserve(
         self, nbytes: int, pinned: bool, pid: int, may_map: bool = True
-    ) -> Reservation:
+    ) -> Reservation | None:
         return self.producers.reserve(nbytes, pinned, pid, may_map)
 
     def stage_commit(

@@ -2,7 +2,9 @@
 
 ray-velo demo [--size-mib 256]
 ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
+ray-velo bench --decorator | --transport [--sizes 256] [--reps 5]
 ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
+ray-velo bench --two-host --transport [--link 25gbit] [--sizes 256] [--reps 5]
 ray-velo status [--address auto] [--json]
 ray-velo stop [--address auto]
 ray-velo cleanup [--address auto] [--shm-dir DIR]
@@ -48,6 +50,12 @@ def _bench(args: argparse.Namespace) -> int:
         size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
         print(run_decorator_bench(size, args.reps))
         return 0
+    if args.transport:
+        from ray_velo.bench.samehost import run_transport_bench
+
+        size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
+        print(run_transport_bench(size, args.reps))
+        return 0
 
     if args.sizes:
         sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
@@ -88,6 +96,11 @@ def _bench_two_host(args: argparse.Namespace) -> int:
         return 2
     sizes = [int(float(s) * MiB) for s in (args.sizes or "256").split(",")]
     links = [link.strip() for link in args.link.split(",") if link.strip()]
+    if args.transport:
+        from ray_velo.bench.twohost import run_two_host_transport
+
+        print(run_two_host_transport(links, sizes[0], args.reps))
+        return 0
     results = run_two_host(links, sizes, args.reps, with_raw=not args.no_ucx_raw)
     print(format_two_host(results))
     if args.json:
@@ -215,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--decorator",
         action="store_true",
         help="a @ray_velo.transfer pipeline vs the same pipeline on Ray's object store",
+    )
+    bench.add_argument(
+        "--transport",
+        action="store_true",
+        help='tensor_transport="VELO"/"VELO_NUMPY" (and NIXL) vs Ray\'s object store, actor to actor',
     )
     bench.add_argument(
         "--two-host",

@@ -16,7 +16,8 @@ Spec series (name inside Ray -> exported name):
 * ``velo_rdma_registrations`` {kind} -> ``ray_velo_rdma_registrations_total``
 
 Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {path},
-``velo_live_slots``, ``velo_staged_bytes``, ``velo_arenas`` {pool}, ``velo_rdma_budget_bytes``.
+``velo_live_slots``, ``velo_staged_bytes``, ``velo_arenas`` {pool}, ``velo_rdma_budget_bytes``,
+``velo_transparent_inline`` (transparent payloads that no mapped arena could take).
 
 Every counter exists from the agent's start (at 0, for each label value it can take) and
 every gauge is set then and re-set on the agent's timer (:data:`GAUGE_REFRESH_S`), so a
@@ -52,6 +53,10 @@ _log = logging.getLogger(__name__)
 #: How often the agent re-sets every gauge, so Ray's export never drops a quiet one (s).
 GAUGE_REFRESH_S = 5.0
 #: Every (path, reason) pair the path counter can count: each exists at 0 from the start.
+INLINE_HELP = (
+    "Transparent payloads no mapped arena could take: they travelled inside the Ray call, "
+    "and the agent warmed an arena up for the next one."
+)
 PATH_LABELS = sorted(
     {("rdma", "ok")}
     | {("chunked", r) for r in OWNER_REFUSAL_REASONS + CONSUMER_FAILURE_REASONS}
@@ -152,7 +157,13 @@ class _RayExport:
             "The registered-bytes budget (registered_bytes / this = budget used).",
             tag_keys=("node",),
         )
+        self.inline = rm.Counter(
+            "velo_transparent_inline",
+            INLINE_HELP,
+            tag_keys=("node",),
+        )
         for metric in (
+            self.inline,
             self.arenas,
             self.budget,
             self.path,
@@ -180,6 +191,7 @@ class _RayExport:
         for path, reason in PATH_LABELS:
             self.path._record(0, {"path": path, "reason": reason})
         self.reaped._record(0)
+        self.inline._record(0)
         for kind in REGISTRATION_KINDS:
             self.registrations._record(0, {"kind": kind})
         for path in FETCH_PATHS:
@@ -208,6 +220,7 @@ class AgentMetrics:
         self.get_duration_count = 0
         self.get_duration_sum_s = 0.0
         self.leases_reaped_total = 0
+        self.transparent_inline_total = 0
         self.registered_bytes = 0
         self.registrations_total: Counter[str] = Counter()
         self.live_regions = 0
@@ -250,6 +263,14 @@ class AgentMetrics:
             self.leases_reaped_total += count
         if self._ray is not None:
             self._ray.reaped.inc(count)
+
+    def transparent_declined(self) -> None:
+        """Count one transparent payload that no mapped arena could take (it travels inside
+        the Ray call; the agent warms an arena up for the next one)."""
+        with self._lock:
+            self.transparent_inline_total += 1
+        if self._ray is not None:
+            self._ray.inline.inc(1)
 
     def registration(self, kind: str, registered_bytes: int) -> None:
         """Count one registration (``kind`` arena or external); set the registered bytes."""
@@ -318,6 +339,7 @@ class AgentMetrics:
                     ),
                 },
                 "velo_rendezvous_rdma_leases_reaped_total": self.leases_reaped_total,
+                "velo_transparent_inline_total": self.transparent_inline_total,
                 "velo_rdma_registered_bytes": self.registered_bytes,
                 "velo_rdma_registrations_total": dict(self.registrations_total),
                 "velo_rdma_live_regions": self.live_regions,
@@ -397,6 +419,7 @@ def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]
     budget = GaugeMetricFamily(
         "velo_rdma_budget_bytes", "The registered-bytes budget.", labels=("node",)
     )
+    inline = CounterMetricFamily("velo_transparent_inline", INLINE_HELP, labels=("node",))
     for node, snap in sorted(snapshots.items()):
         for key, n in snap["velo_rendezvous_rdma_path_total"].items():
             p, reason = key.split("/", 1)
@@ -419,7 +442,9 @@ def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]
         for pool, n in snap["velo_arenas"].items():
             arenas.add_metric((pool, node), n)
         budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
+        inline.add_metric((node,), snap.get("velo_transparent_inline_total", 0))
     yield from (
+        inline,
         arenas,
         budget,
         path,

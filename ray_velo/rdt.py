@@ -77,6 +77,17 @@ class VeloCommunicatorMetadata(CommunicatorMetadata):
     """One-sided: the receiver needs nothing but the handles."""
 
 
+def _inside_ray_callback() -> bool:
+    """Whether Ray's queued-transfer callback called us (rather than a caller's
+    ``.remote()``, where an error reaches the caller)."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "set_tensor_transport_metadata_and_trigger_queued_operations":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _rdt_fetch_timeout_s() -> float | None:
     try:
         from ray._private import ray_constants
@@ -118,8 +129,23 @@ class VeloNumpyTransport(TensorTransportManager):
     def get_communicator_metadata(
         self, src_actor: Any, dst_actor: Any, backend: str | None = None
     ) -> VeloCommunicatorMetadata:
-        # One-sided through the node agents: the receiver needs no communicator, nor
-        # enable_tensor_transport (any actor, task or driver of the cluster can receive).
+        enabled = getattr(dst_actor, "_ray_enable_tensor_transport", None)
+        if dst_actor is not None and enabled is not True:
+            # Ray delivers the tensors through the receiver's "_ray_system" concurrency
+            # group, which only such actors have: without it the receive waits out Ray's
+            # RDT fetch timeout (60 s) instead of failing now.
+            message = (
+                f"{dst_actor} cannot receive a {self.backend} tensor transport object: its "
+                "class was created without enable_tensor_transport, so Ray's transfer would "
+                "time out. Declare it with @ray.remote(enable_tensor_transport=True), or "
+                "hand it the value through Ray's object store instead."
+            )
+            if _inside_ray_callback():
+                # A transfer Ray queued until the object existed, run from its callback:
+                # the caller's .remote() has returned already, nobody would see a raise.
+                _log.error("ray_velo: %s", message)
+            else:
+                raise ValueError(message)
         return VeloCommunicatorMetadata()
 
     def extract_tensor_transport_metadata(

@@ -188,28 +188,49 @@ def stage(
     ttl: float | None,
     consumers: int = 1,
     follow_producer: bool = False,
-    transparent: bool = False,
 ) -> DataHandle:
     """Stage ``obj`` on this node's agent with ``consumers`` references; its handle (with
-    ``follow_producer`` the handle also ends when this process dies). ``transparent``: a
-    stage inside a caller's send (``@ray_velo.transfer``), which never maps or registers a
-    new arena (a miss stages in plain memory and the agent warms an arena up afterwards).
+    ``follow_producer`` the handle also ends when this process dies).
 
     Returns as soon as the bytes are written: the commit is sent without waiting, and a call
     that names the handle before it lands waits for it on the agent.
     """
+    handle = _stage(obj, pinned, ttl, consumers, follow_producer, may_map=True)
+    assert handle is not None  # a reservation that may map is never declined
+    return handle
+
+
+def stage_transparent(obj: Any, *, ttl: float | None, consumers: int) -> DataHandle | None:
+    """Stage ``obj`` inside a caller's send (``@ray_velo.transfer``): only into an arena
+    the agent has already mapped, never a new mapping or registration (spec). None when
+    none fits: the payload then travels inside the Ray call, and the agent warms an arena
+    up for the next one."""
+    return _stage(obj, True, ttl, consumers, False, may_map=False)
+
+
+def _stage(
+    obj: Any,
+    pinned: bool,
+    ttl: float | None,
+    consumers: int,
+    follow_producer: bool,
+    *,
+    may_map: bool,
+) -> DataHandle | None:
     if ttl is not None and not ttl > 0:
         raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
     header, view = as_bytes_view(obj)
     nbytes = view.nbytes
 
-    def reserve() -> tuple[Session, Reservation]:
+    def reserve() -> tuple[Session, Reservation | None]:
         # Nothing is staged yet: a dead agent's successor can take the reservation instead.
         session = current()
-        reserving = session.agent.stage_reserve.remote(nbytes, pinned, os.getpid(), not transparent)
+        reserving = session.agent.stage_reserve.remote(nbytes, pinned, os.getpid(), may_map)
         return session, call(reserving)
 
     session, reservation = retrying_dead_agent(reserve)
+    if reservation is None:
+        return None
     try:
         if nbytes:
             dest = segment_view(session, reservation.path, reservation.offset, nbytes)

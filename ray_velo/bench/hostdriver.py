@@ -153,13 +153,34 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     }
 
 
+def measure_transport(size: int, reps: int) -> dict[str, Any]:
+    """``ray-velo bench --two-host --transport``: the tensor transports, host a to host b."""
+    import ray_velo as rv
+    from ray_velo.bench.transport import measure_transports
+    from ray_velo.testbed import connect
+
+    info = connect()
+    rv.init()
+    result = measure_transports(
+        {"resources": {info.hosts[0].resource: 1}},
+        {"resources": {info.hosts[1].resource: 1}},
+        size,
+        reps,
+        tick=lambda text: _say(f"  {text}"),
+    )
+    rv.shutdown()
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ray_velo.bench.hostdriver")
     parser.add_argument("--sizes", required=True, help="payload sizes in bytes, comma separated")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--transport", action="store_true", help="the tensor transports")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    result = measure(sizes, args.reps)
+    transport = args.transport
+    result = measure_transport(sizes[0], args.reps) if transport else measure(sizes, args.reps)
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     return 0
 

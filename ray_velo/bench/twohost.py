@@ -26,7 +26,7 @@ from ray_velo.bench.actors import transport_text
 from ray_velo.bench.hostdriver import RESULT_PREFIX
 from ray_velo.errors import TestbedError
 
-__all__ = ["LinkResult", "format_two_host", "run_two_host"]
+__all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]
 
 MiB = 1 << 20
 DRIVER_TIMEOUT_S = 1800.0
@@ -67,9 +67,11 @@ class LinkResult:
         }
 
 
-def _drive(testbed: Any, sizes: Sequence[int], reps: int) -> dict[str, Any]:
+def _drive(
+    testbed: Any, sizes: Sequence[int], reps: int, extra: Sequence[str] = ()
+) -> dict[str, Any]:
     argv = [sys.executable, "-m", "ray_velo.bench.hostdriver"]
-    argv += ["--sizes", ",".join(map(str, sizes)), "--reps", str(reps)]
+    argv += ["--sizes", ",".join(map(str, sizes)), "--reps", str(reps), *extra]
     driver = testbed.popen(argv, stdout=subprocess.PIPE, stderr=None)
     try:
         out, _ = driver.communicate(timeout=DRIVER_TIMEOUT_S)
@@ -114,6 +116,20 @@ def run_two_host(
         result.transports = measured["transports"]
         results.append(result)
     return results
+
+
+def run_two_host_transport(links: Sequence[str], size: int, reps: int = 5) -> str:
+    """``--transport``: the tensor transports across each link (one testbed each)."""
+    from ray_velo.bench.transport import format_transport
+    from ray_velo.testbed import Testbed
+
+    out = []
+    for link in links:
+        sys.stderr.write(f"two-host testbed, link {link}: tensor transports\n")
+        with Testbed(hosts=2, link=link, object_store_bytes=max(1 << 30, 6 * size)) as testbed:
+            measured = _drive(testbed, [size], reps, ["--transport"])
+        out.append(format_transport(measured, f"two hosts, {link} link, UCX over tcp"))
+    return "\n\n".join(out)
 
 
 _COLUMNS = (

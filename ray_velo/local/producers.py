@@ -21,9 +21,13 @@ class ProducerService:
     def __init__(self, core: AgentCore) -> None:
         self.core = core
 
-    def reserve(self, nbytes: int, pinned: bool, pid: int, may_map: bool = True) -> Reservation:
+    def reserve(
+        self, nbytes: int, pinned: bool, pid: int, may_map: bool = True
+    ) -> Reservation | None:
         """Reserve ``nbytes`` for process ``pid`` to write into; commit or abort it next.
-        ``may_map`` False: transparent staging, which never maps a registered arena.
+
+        ``may_map`` False is transparent staging inside a caller's send: only memory of an
+        arena already mapped, and None (nothing reserved) when none fits.
 
         Raises:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
@@ -34,11 +38,19 @@ class ProducerService:
         placement = None
         kind, registered = "empty", False
         if nbytes:  # outside the lock: mapping a new arena must not stall other calls
-            placement, kind, registered = core.memory.allocate(
-                nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled, may_map=may_map
-            )
-            if core.memory.warm_up_wanted:
-                core.poke()  # the timer maps one for the next payload
+            if may_map:
+                placement, kind, registered = core.memory.allocate(
+                    nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled
+                )
+            else:
+                mapped = core.memory.allocate_mapped(
+                    nbytes, core.clock(), rdma_enabled=core.rdma_enabled
+                )
+                if mapped is None:
+                    core.metrics.transparent_declined()
+                    core.poke()  # the timer maps an arena for the next payload
+                    return None
+                placement, kind, registered = mapped
         with core.changing() as fx:
             if core.closed:
                 if placement is not None:

@@ -79,8 +79,12 @@ class NodeMemory:
         self._registrations_seen = 0
         self._seen_lock = threading.Lock()
         self._warm_up_allowed = pool_config.warm_up_after_miss
-        self._warm_up_wanted: set[int] = set()
+        self._warm_up_wanted: set[tuple[bool, int]] = set()  # (registered, bytes)
         self._warm_up_lock = threading.Lock()
+        if self._warm_up_allowed:
+            # The first pooled arena, mapped by the timer right after the agent starts, so
+            # transparent payloads below dedicated_arena_min stage from the first call.
+            self._warm_up_wanted.add((self.pinned_pool is not None, 1))
 
     # --- placing bytes ---------------------------------------------------------------
 
@@ -92,15 +96,9 @@ class NodeMemory:
         *,
         rdma_enabled: bool,
         record: bool = True,
-        may_map: bool = True,
     ) -> tuple[Placement, SlotKind, bool]:
         """A placement for ``nbytes`` (>= 1): registered when ``pinned`` and possible, else
         plain. Returns (placement, slot kind, registered).
-
-        ``may_map`` False (transparent staging, inside a caller's send): registered memory
-        only from arenas already mapped, never a new registration; a miss goes to plain
-        memory and asks the timer to warm an arena of that size up (:meth:`warm_up`), so the
-        next such payload finds one.
 
         ``record``: count a pinned-staging fallback in the path metric (the owner's staging
         point, spec labels ``kill_switch``, ``budget``, ``pool_exhausted``). Without a
@@ -115,35 +113,56 @@ class NodeMemory:
                 if record:
                     self.metrics.path("chunked", "kill_switch")
             elif self.pinned_pool is not None:
-                got = self.pinned_pool.allocate(nbytes, now, may_map=may_map)
+                got = self.pinned_pool.allocate(nbytes, now)
                 self._count_registrations()
                 if isinstance(got, Placement):
                     return got, "dedicated" if got.dedicated else "pooled", True
                 if record:
                     self.metrics.path("chunked", got.reason)
-                if not may_map and got.reason == "pool_exhausted" and self._warm_up_allowed:
-                    with self._warm_up_lock:
-                        self._warm_up_wanted.add(nbytes)
         return self._plain(nbytes, now), "plain", False
+
+    def allocate_mapped(
+        self, nbytes: int, now: float, *, rdma_enabled: bool
+    ) -> tuple[Placement, SlotKind, bool] | None:
+        """Transparent staging's placement, inside a caller's send: memory of an arena that
+        is already mapped, never a new mapping or registration (spec). Registered memory
+        when the RDMA path is on, else plain; None when nothing mapped fits (the payload
+        then travels inside the Ray call, as if undecorated), after asking the timer to warm
+        an arena of that size up (:meth:`warm_up`) so that the next one finds it."""
+        registered = rdma_enabled and self.pinned_pool is not None
+        pool = self.pinned_pool if registered else self.plain_pool
+        assert pool is not None
+        got = pool.allocate(nbytes, now, may_map=False)
+        if isinstance(got, Placement):
+            kind: SlotKind = "plain"
+            if registered:
+                kind = "dedicated" if got.dedicated else "pooled"
+            return got, kind, registered
+        if self._warm_up_allowed:
+            with self._warm_up_lock:
+                self._warm_up_wanted.add((registered, nbytes))
+        return None
 
     @property
     def warm_up_wanted(self) -> bool:
-        """Whether a transparent staging missed registered memory since the last warm-up."""
+        """Whether transparent staging missed mapped memory since the last warm-up."""
         return bool(self._warm_up_wanted)
 
     def warm_up(self, now: float) -> None:
-        """Map (and register) an arena for each size transparent staging missed, then give
-        it back to the pool at once: a pooled arena stays mapped, a dedicated one stays warm
-        (``warm_dedicated_bytes``). Runs on the agent's timer, never inside a send; bounded
-        by ``registered_bytes_budget`` like every registration."""
+        """Map an arena for each size transparent staging missed (registered, or plain when
+        the RDMA path is off), then give it back to its pool at once: a pooled arena stays
+        mapped, a dedicated one stays warm (``warm_dedicated_bytes``). Runs on the agent's
+        timer, never inside a send; bounded by ``registered_bytes_budget`` like every
+        registration."""
         with self._warm_up_lock:
-            sizes, self._warm_up_wanted = sorted(self._warm_up_wanted), set()
-        if self.pinned_pool is None:
-            return
-        for nbytes in sizes:
-            got = self.pinned_pool.allocate(nbytes, now)
+            wanted, self._warm_up_wanted = sorted(self._warm_up_wanted), set()
+        for registered, nbytes in wanted:
+            pool = self.pinned_pool if registered else self.plain_pool
+            if pool is None:
+                continue
+            got = pool.allocate(nbytes, now)
             if isinstance(got, Placement):
-                self.pinned_pool.free(got, now)
+                pool.free(got, now)
         self._count_registrations()
 
     def _plain(self, nbytes: int, now: float) -> Placement:

@@ -42,13 +42,11 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
             threshold = session.current().config.threshold_bytes if nbytes > 0 else 0
         if nbytes <= threshold:
             return item
-        handle = session.stage(
-            item,
-            pinned=True,
-            ttl=options.effective_ttl,
-            consumers=options.consumers,
-            transparent=True,
+        handle = session.stage_transparent(
+            item, ttl=options.effective_ttl, consumers=options.consumers
         )
+        if handle is None:  # no mapped arena fits: Ray carries it this time (spec)
+            return item
         return StagedValue(handle, nbytes, options.consumers, budget_s)
 
     return walk(value, leaf)

@@ -164,11 +164,16 @@ class AgentPair:
         on: str = "owner",
         transparent: bool = False,
     ) -> DataHandle:
-        """Stage ``data`` on the owner (or the consumer) as ``rv.put`` does (``transparent``:
-        as ``@ray_velo.transfer`` does, never mapping a registered arena)."""
+        """Stage ``data`` on the owner (or the consumer) as ``rv.put`` does.
+
+        ``transparent``: as ``@ray_velo.transfer`` does, only into an arena already mapped;
+        LookupError when none fits (the decorator then leaves the payload in the Ray call).
+        """
         agent = self.owner if on == "owner" else self.consumer
         header, view = as_bytes_view(data)
         reservation = agent.stage_reserve(view.nbytes, pinned, self.pid, not transparent)
+        if reservation is None:
+            raise LookupError("no mapped arena fits a transparent payload: it travels inline")
         if view.nbytes:
             dest = self.segments.view(reservation.path, reservation.offset, view.nbytes)
             np.frombuffer(dest, dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)

@@ -65,9 +65,9 @@ class Source:
         return os.getpid()
 
 
-@ray.remote(**ON_B)
+@ray.remote(**ON_B, enable_tensor_transport=True)
 class Sink:
-    """A receiving actor on node b (no enable_tensor_transport: VELO needs none)."""
+    """A receiving actor on node b (Ray's receivers need enable_tensor_transport)."""
 
     def crcs(self, value: Any) -> list[int]:
         values = value if isinstance(value, list) else [value]
@@ -213,6 +213,25 @@ def test_a_tensor_on_a_device_the_transport_lacks_is_refused(velo: None) -> None
     with pytest.raises(Exception, match=r"VELO does not support tensor transfer on device meta"):
         ray.get(source.on_meta_device.remote(), timeout=60)
     assert live_slots("node_a") == 0
+
+
+@ray.remote(**ON_B)
+class PlainReceiver:
+    def crcs(self, value: Any) -> list[int]:
+        return [crc(value)]
+
+
+def test_a_receiver_without_enable_tensor_transport_is_refused_at_once(velo: None) -> None:
+    """Ray hands a transport's tensors to the receiver on a concurrency group only actors
+    declared with enable_tensor_transport have; another would wait out Ray's 60 s RDT
+    timeout. The caller's .remote() is refused at once instead, saying what to declare."""
+    source, plain = Source.remote(), PlainReceiver.remote()
+    ref = source.tensor.remote(1024)
+    ray.get(ref, timeout=120)  # the object exists (its metadata reached the driver)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"enable_tensor_transport=True"):
+        plain.crcs.remote(ref)
+    assert time.monotonic() - started < 30
 
 
 def test_the_producer_killed_mid_transfer(velo: None) -> None:
