@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import pickle
 import sys
@@ -311,19 +312,61 @@ class VeloTensorTransport(VeloNumpyTransport):
     ) -> Any:
         import torch
 
-        tensor = torch.empty(shape, dtype=dtype) if target is None else target
         if handle is None:
-            return tensor
-        if not tensor.is_contiguous() or tensor.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype) if target is None else target
+        if target is None:
+            return self._receive_owned(handle, shape, dtype, timeout_s)
+        if not target.is_contiguous() or target.device.type != "cpu":
             raise ValueError(
                 f"target buffer for {handle} must be a contiguous CPU tensor, got one on "
-                f"{tensor.device} (contiguous: {tensor.is_contiguous()})"
+                f"{target.device} (contiguous: {target.is_contiguous()})"
             )
         view = session.read(session.lease(handle, "detach", timeout_s))
-        # One copy out of the shared copy: the receiver owns a writable tensor, and no
-        # other reader of the node-local copy can see what it writes.
-        _copy_checked(tensor.reshape(-1).view(_uint8()).numpy(), view, handle)
-        return tensor
+        _copy_checked(target.reshape(-1).view(_uint8()).numpy(), view, handle)
+        return target
+
+    def _receive_owned(
+        self, handle: DataHandle, shape: Any, dtype: Any, timeout_s: float | None
+    ) -> Any:
+        """A tensor of the receiver's own, in a PinnedWriter of this node's registered pool:
+        across nodes the GET lands in it directly (no copy, and warm memory rather than fresh
+        pages to fault in); on the owner's node one copy out of the shared slot. No other
+        reader can see what the receiver writes. The writer is freed with the last tensor
+        (or view of it) over its memory."""
+        import torch
+
+        from ray_velo import api
+
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        writer = api.alloc_pinned_writer(nbytes)
+        try:
+            if handle.worker_id != session.current().worker_id:
+                session.lease(handle, "detach", timeout_s, writer_reservation=writer.reservation_id)
+            else:
+                view = session.read(session.lease(handle, "detach", timeout_s))
+                _copy_checked(writer.array, view, handle)
+        except BaseException:
+            writer.close()
+            raise
+        owned = np.asarray(_WriterBytes(writer))
+        return torch.from_numpy(owned).view(dtype).reshape(shape)
+
+
+class _WriterBytes:
+    """Exports a PinnedWriter's memory, writable, to numpy; the arrays (and tensors) over it
+    keep this object, and so the writer, alive: the writer's memory goes back to the pool
+    only after the last of them is collected."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "_writer")
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self.__array_interface__ = {
+            "data": (writer.array.ctypes.data, False),
+            "shape": (writer.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 def _uint8() -> Any:

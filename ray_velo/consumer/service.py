@@ -81,20 +81,21 @@ class ConsumerService:
         ``mode``: ``release`` (consume one reference), ``claim`` (a transparent resolution:
         claim one, consumed or given back with :meth:`claim_end`), ``detach`` (the handle
         stays usable) or ``hold`` (the get family: the owner's lease stays the caller's).
-        ``writer_rid`` (with ``hold``): a PinnedWriter's reservation that the GET (or the
-        chunks) land in directly; no local slot is made.
+        ``writer_rid`` (with ``hold``, or ``detach`` to end the owner's lease at once): a
+        PinnedWriter's reservation that the GET (or the chunks) land in directly; no local
+        slot is made.
         """
         if mode not in _MODES:
             raise ValueError(f"unknown fetch mode {mode!r}")
-        if writer_rid and mode != "hold":
-            raise ValueError("a PinnedWriter destination needs mode='hold'")
+        if writer_rid and mode not in ("hold", "detach"):
+            raise ValueError("a PinnedWriter destination needs mode 'hold' or 'detach'")
         with self._inflight_cond:
             self.core.check_open()
             self._inflight += 1
         try:
             deadline = Deadline.start(timeout_s, bound, self.core.clock)
             if writer_rid:
-                return await self._into_writer(handle, deadline, pid, writer_rid, blocking)
+                return await self._into_writer(handle, mode, deadline, pid, writer_rid, blocking)
             return await self._fetch(handle, mode, deadline, pid, blocking)
         finally:
             with self._inflight_cond:
@@ -120,7 +121,13 @@ class ConsumerService:
         return await self.driver.run(link, handle, mode, deadline, pid, blocking)
 
     async def _into_writer(
-        self, handle: DataHandle, deadline: Deadline, pid: int, writer_rid: int, blocking: Blocking
+        self,
+        handle: DataHandle,
+        mode: Mode,
+        deadline: Deadline,
+        pid: int,
+        writer_rid: int,
+        blocking: Blocking,
     ) -> LocalLease:
         core = self.core
         with core.lock:
@@ -128,7 +135,7 @@ class ConsumerService:
         try:
             link = await blocking(self.peers.link, handle)
             return await self.driver.run(
-                link, handle, "hold", deadline, pid, blocking, writer_rid, pending.buffer
+                link, handle, mode, deadline, pid, blocking, writer_rid, pending.buffer
             )
         finally:
             with core.changing() as fx:

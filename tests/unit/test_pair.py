@@ -205,6 +205,29 @@ def test_get_into_a_pinned_writer_lands_in_it(pair: AgentPair) -> None:
     nothing_left(pair)
 
 
+def test_a_detaching_fetch_into_a_pinned_writer_ends_the_owners_lease_itself(
+    pair: AgentPair,
+) -> None:
+    """A tensor-transport receive lands the GET in the receiver's PinnedWriter and ends the
+    owner's lease at once (``detach``): the owner holds no lease afterwards, the handle stays
+    usable, and the writer holds the bytes until it is given back."""
+    writer = pair.consumer.stage_reserve(4 * MiB, True, os.getpid())
+    handle = pair.put(payload(3 * MiB), consumers=2)
+    lease = pair.consumer.fetch_remote(
+        handle, "detach", None, os.getpid(), "unbounded", writer.reservation_id
+    )
+    assert lease.remote_lease_id == 0
+    assert pair.owner.info()["live_leases"] == 0
+    assert pair.consumer_paths().get("rdma/ok") == 1
+    view = pair.segments.view(writer.path, writer.offset, 3 * MiB)
+    assert bytes(view) == payload(3 * MiB)
+    del view
+    assert pair.fetch(handle) == payload(3 * MiB)  # still usable
+    pair.consumer.stage_abort(writer.reservation_id)
+    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
+    nothing_left(pair)
+
+
 def test_an_unrenewed_rdma_lease_is_reaped_between_one_and_one_and_a_half_timeouts(
     pair: AgentPair,
 ) -> None:
