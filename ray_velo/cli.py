@@ -210,12 +210,8 @@ def _grafana(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ray-velo", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="producer/consumer across two local Ray nodes")
-    demo.add_argument("--size-mib", type=int, default=256)
-    demo.set_defaults(run=_demo)
+def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ray-velo bench`` and its options (sizes, columns, the two-host testbed)."""
     bench = sub.add_parser("bench", help="ray_velo vs Ray's object store vs raw UCX")
     bench.add_argument("--sizes", help="payload sizes in MiB, comma separated (default 1..1024)")
     bench.add_argument("--reps", type=int, default=5, help="repetitions per size (median)")
@@ -247,7 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
     bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
     bench.set_defaults(run=_bench)
-    commands = {}
+
+
+def _add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``status``, ``stop`` and ``cleanup``: each takes a running cluster's ``--address``."""
+    commands: dict[str, argparse.ArgumentParser] = {}
     for name, run, text in (
         ("status", _status, "each node's agent: transport, memory, slots, leases, paths"),
         ("stop", _stop, "stop every agent of a running cluster (the spec's shutdown order)"),
@@ -260,6 +260,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands["status"].add_argument(
         "--json", action="store_true", help="a JSON list, one object per node agent"
     )
+    commands["cleanup"].add_argument(
+        "--shm-dir", help="the segments' directory (default: the cluster's, else /dev/shm)"
+    )
+
+
+def _add_soak_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ray-velo soak``: duration, consumers, cluster and seed."""
     soak = sub.add_parser(
         "soak", help="mixed traffic across two nodes; fails if anything grows past its slack"
     )
@@ -269,15 +276,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     soak.add_argument("--seed", type=int, default=0, help="the traffic's random seed")
     soak.add_argument("--json", metavar="FILE", help="also write the samples and verdict")
     soak.set_defaults(run=_soak)
+
+
+def _add_grafana_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ray-velo grafana``: where to install the dashboard."""
     grafana = sub.add_parser("grafana", help="install the Grafana dashboard for Ray's Grafana")
     grafana.add_argument("--dir", help="install here (default: where Ray's Grafana reads)")
     grafana.add_argument(
         "--session-dir", help="the Ray session directory (default: /tmp/ray/session_latest)"
     )
     grafana.set_defaults(run=_grafana)
-    commands["cleanup"].add_argument(
-        "--shm-dir", help="the segments' directory (default: the cluster's, else /dev/shm)"
-    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ray-velo", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="producer/consumer across two local Ray nodes")
+    demo.add_argument("--size-mib", type=int, default=256)
+    demo.set_defaults(run=_demo)
+    _add_bench_command(sub)
+    _add_cluster_commands(sub)
+    _add_soak_command(sub)
+    _add_grafana_command(sub)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

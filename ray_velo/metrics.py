@@ -44,6 +44,11 @@ from ray_velo.protocol.path import (
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
     from prometheus_client.metrics_core import Metric
 
 __all__ = ["GAUGE_REFRESH_S", "GET_BUCKETS_S", "AgentMetrics", "Gauges", "prometheus_registry"]
@@ -104,9 +109,31 @@ class _RayExport:
     """The ``ray.util.metrics`` twins of the counters (created only inside a Ray worker)."""
 
     def __init__(self, node_id: str) -> None:
+        self._create_spec_series()
+        self._create_operator_series()
+        tags = {"node": node_id}
+        for metric in (
+            self.inline,
+            self.arenas,
+            self.budget,
+            self.path,
+            self.get_duration,
+            self.reaped,
+            self.registered,
+            self.registrations,
+            self.live_regions,
+            self.bytes_moved,
+            self.fetch_duration,
+            self.live_slots,
+            self.staged_bytes,
+        ):
+            metric.set_default_tags(tags)
+        self._prime()
+
+    def _create_spec_series(self) -> None:
+        """The spec's series: path decisions, GET duration, reaped leases, registrations."""
         from ray.util import metrics as rm
 
-        tags = {"node": node_id}
         self.path = rm.Counter(
             "velo_rendezvous_rdma_path",
             "Path decisions with their reason (reason=ok is the only path=rdma label).",
@@ -134,6 +161,11 @@ class _RayExport:
         self.live_regions = rm.Gauge(
             "velo_rdma_live_regions", "Regions the backend holds registered.", tag_keys=("node",)
         )
+
+    def _create_operator_series(self) -> None:
+        """The operator series: bytes and fetch time by path, slots, arenas, budget, inline."""
+        from ray.util import metrics as rm
+
         self.bytes_moved = rm.Counter(
             "velo_bytes_moved", "Payload bytes fetched, by path.", tag_keys=("path", "node")
         )
@@ -162,23 +194,6 @@ class _RayExport:
             INLINE_HELP,
             tag_keys=("node",),
         )
-        for metric in (
-            self.inline,
-            self.arenas,
-            self.budget,
-            self.path,
-            self.get_duration,
-            self.reaped,
-            self.registered,
-            self.registrations,
-            self.live_regions,
-            self.bytes_moved,
-            self.fetch_duration,
-            self.live_slots,
-            self.staged_bytes,
-        ):
-            metric.set_default_tags(tags)
-        self._prime()
 
     def _prime(self) -> None:
         """Every counter at 0 for each label value it can take: Ray's ``inc`` refuses 0, so
@@ -377,87 +392,125 @@ def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> CollectorRegist
 
 
 def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
-
-    path = CounterMetricFamily(
-        "velo_rendezvous_rdma_path",
-        "Path decisions with their reason (reason=ok is the only path=rdma label).",
-        labels=("path", "reason", "node"),
-    )
-    get_duration = HistogramMetricFamily(
-        "velo_rendezvous_rdma_get_duration_seconds",
-        "RDMA GET time, without the acquire round trip.",
-        labels=("node",),
-    )
-    reaped = CounterMetricFamily(
-        "velo_rendezvous_rdma_leases_reaped",
-        "RDMA leases the owner reaper force-released.",
-        labels=("node",),
-    )
-    registered = GaugeMetricFamily(
-        "velo_rdma_registered_bytes", "Mapped bytes, pool and external.", labels=("node",)
-    )
-    registrations = CounterMetricFamily(
-        "velo_rdma_registrations",
-        "Registrations, kind = arena or external.",
-        labels=("kind", "node"),
-    )
-    regions = GaugeMetricFamily(
-        "velo_rdma_live_regions", "Regions the backend holds registered.", labels=("node",)
-    )
-    bytes_moved = CounterMetricFamily(
-        "velo_bytes_moved", "Payload bytes fetched, by path.", labels=("path", "node")
-    )
-    fetches = CounterMetricFamily("velo_fetches", "Fetches, by path.", labels=("path", "node"))
-    live_slots = GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",))
-    staged_bytes = GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",))
-    arenas = GaugeMetricFamily("velo_arenas", "Arenas mapped, by pool.", labels=("pool", "node"))
-    budget = GaugeMetricFamily(
-        "velo_rdma_budget_bytes", "The registered-bytes budget.", labels=("node",)
-    )
-    inline = CounterMetricFamily("velo_transparent_inline", INLINE_HELP, labels=("node",))
+    families = _SnapshotFamilies.create()
     for node, snap in sorted(snapshots.items()):
+        families.add_snapshot(node, snap)
+    yield from families.in_export_order()
+
+
+@dataclass(frozen=True, slots=True)
+class _SnapshotFamilies:
+    """One metric family per series, filled from every agent's snapshot (labelled by node)."""
+
+    path: CounterMetricFamily
+    get_duration: HistogramMetricFamily
+    reaped: CounterMetricFamily
+    registered: GaugeMetricFamily
+    registrations: CounterMetricFamily
+    regions: GaugeMetricFamily
+    bytes_moved: CounterMetricFamily
+    fetches: CounterMetricFamily
+    live_slots: GaugeMetricFamily
+    staged_bytes: GaugeMetricFamily
+    arenas: GaugeMetricFamily
+    budget: GaugeMetricFamily
+    inline: CounterMetricFamily
+
+    @classmethod
+    def create(cls) -> _SnapshotFamilies:
+        """Every family, empty."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        return cls(
+            path=CounterMetricFamily(
+                "velo_rendezvous_rdma_path",
+                "Path decisions with their reason (reason=ok is the only path=rdma label).",
+                labels=("path", "reason", "node"),
+            ),
+            get_duration=HistogramMetricFamily(
+                "velo_rendezvous_rdma_get_duration_seconds",
+                "RDMA GET time, without the acquire round trip.",
+                labels=("node",),
+            ),
+            reaped=CounterMetricFamily(
+                "velo_rendezvous_rdma_leases_reaped",
+                "RDMA leases the owner reaper force-released.",
+                labels=("node",),
+            ),
+            registered=GaugeMetricFamily(
+                "velo_rdma_registered_bytes", "Mapped bytes, pool and external.", labels=("node",)
+            ),
+            registrations=CounterMetricFamily(
+                "velo_rdma_registrations",
+                "Registrations, kind = arena or external.",
+                labels=("kind", "node"),
+            ),
+            regions=GaugeMetricFamily(
+                "velo_rdma_live_regions", "Regions the backend holds registered.", labels=("node",)
+            ),
+            bytes_moved=CounterMetricFamily(
+                "velo_bytes_moved", "Payload bytes fetched, by path.", labels=("path", "node")
+            ),
+            fetches=CounterMetricFamily(
+                "velo_fetches", "Fetches, by path.", labels=("path", "node")
+            ),
+            live_slots=GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",)),
+            staged_bytes=GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",)),
+            arenas=GaugeMetricFamily(
+                "velo_arenas", "Arenas mapped, by pool.", labels=("pool", "node")
+            ),
+            budget=GaugeMetricFamily(
+                "velo_rdma_budget_bytes", "The registered-bytes budget.", labels=("node",)
+            ),
+            inline=CounterMetricFamily("velo_transparent_inline", INLINE_HELP, labels=("node",)),
+        )
+
+    def add_snapshot(self, node: str, snap: dict[str, Any]) -> None:
+        """One agent's snapshot (:meth:`AgentMetrics.snapshot`) as samples labelled ``node``."""
         for key, n in snap["velo_rendezvous_rdma_path_total"].items():
             p, reason = key.split("/", 1)
-            path.add_metric((p, reason, node), n)
+            self.path.add_metric((p, reason, node), n)
         histogram = snap["velo_rendezvous_rdma_get_duration_seconds"]
-        get_duration.add_metric(
+        self.get_duration.add_metric(
             (node,), list(histogram["buckets"].items()), sum_value=histogram["sum"]
         )
-        reaped.add_metric((node,), snap["velo_rendezvous_rdma_leases_reaped_total"])
-        registered.add_metric((node,), snap["velo_rdma_registered_bytes"])
+        self.reaped.add_metric((node,), snap["velo_rendezvous_rdma_leases_reaped_total"])
+        self.registered.add_metric((node,), snap["velo_rdma_registered_bytes"])
         for kind, n in snap["velo_rdma_registrations_total"].items():
-            registrations.add_metric((kind, node), n)
-        regions.add_metric((node,), snap["velo_rdma_live_regions"])
+            self.registrations.add_metric((kind, node), n)
+        self.regions.add_metric((node,), snap["velo_rdma_live_regions"])
         for p, n in snap["velo_bytes_moved_total"].items():
-            bytes_moved.add_metric((p, node), n)
+            self.bytes_moved.add_metric((p, node), n)
         for p, n in snap["velo_fetches_total"].items():
-            fetches.add_metric((p, node), n)
-        live_slots.add_metric((node,), snap["velo_live_slots"])
-        staged_bytes.add_metric((node,), snap["velo_staged_bytes"])
+            self.fetches.add_metric((p, node), n)
+        self.live_slots.add_metric((node,), snap["velo_live_slots"])
+        self.staged_bytes.add_metric((node,), snap["velo_staged_bytes"])
         for pool, n in snap["velo_arenas"].items():
-            arenas.add_metric((pool, node), n)
-        budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
-        inline.add_metric((node,), snap.get("velo_transparent_inline_total", 0))
-    yield from (
-        inline,
-        arenas,
-        budget,
-        path,
-        get_duration,
-        reaped,
-        registered,
-        registrations,
-        regions,
-        bytes_moved,
-        fetches,
-        live_slots,
-        staged_bytes,
-    )
+            self.arenas.add_metric((pool, node), n)
+        self.budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
+        self.inline.add_metric((node,), snap.get("velo_transparent_inline_total", 0))
+
+    def in_export_order(self) -> tuple[Metric, ...]:
+        """The families in the order a scrape lists them."""
+        return (
+            self.inline,
+            self.arenas,
+            self.budget,
+            self.path,
+            self.get_duration,
+            self.reaped,
+            self.registered,
+            self.registrations,
+            self.regions,
+            self.bytes_moved,
+            self.fetches,
+            self.live_slots,
+            self.staged_bytes,
+        )
 
 
 class _SnapshotCollector:

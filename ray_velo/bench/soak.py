@@ -259,28 +259,38 @@ def _traffic(
             result.errors.append(f"no fetch finished within {ROUND_TIMEOUT_S} s")
             break
         reader, crc, pinned = pending.pop(done[0])
-        result.rounds += 1
-        result.staged["pinned" if pinned else "plain"] += 1
-        try:
-            got = ray.get(done[0])
-            if got != crc:
-                result.wrong_bytes += 1
-        except Exception as exc:  # every failure is counted and named in the result
-            result.errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+        _count_fetch(result, done[0], crc, pinned)
         now = time.monotonic()
         if now >= next_sample:
-            sample = _statuses(agents)
-            for node, values in sample.items():
-                result.samples.setdefault(node, []).append(
-                    {"t_s": int(now - end + run_s), **values}
-                )
-            if progress is not None:
-                progress(_progress_line(result, now - end + run_s))
+            _sample_agents(result, agents, now - end + run_s, progress)
             next_sample = now + sample_every
         if now < end:
             launch(reader)
     for actor in [*producers, *readers]:
         ray.kill(actor)
+
+
+def _count_fetch(result: SoakResult, ref: Any, crc: int, pinned: bool) -> None:
+    """One finished fetch into the result: a round, and its bytes checked against the CRC."""
+    import ray
+
+    result.rounds += 1
+    result.staged["pinned" if pinned else "plain"] += 1
+    try:
+        got = ray.get(ref)
+        if got != crc:
+            result.wrong_bytes += 1
+    except Exception as exc:  # every failure is counted and named in the result
+        result.errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _sample_agents(result: SoakResult, agents: dict[str, Any], t_s: float, progress: Any) -> None:
+    """Every agent's status, ``t_s`` seconds into the run, into ``result.samples``."""
+    sample = _statuses(agents)
+    for node, values in sample.items():
+        result.samples.setdefault(node, []).append({"t_s": int(t_s), **values})
+    if progress is not None:
+        progress(_progress_line(result, t_s))
 
 
 def _progress_line(result: SoakResult, t_s: float) -> str:

@@ -118,20 +118,7 @@ def measure_transports(
             seconds[name].append(time.perf_counter() - started)
         values.setdefault(method, set()).add(value)
 
-    # Each column in its own block (a warm-up, then ``reps`` timed rounds): a pipeline uses
-    # one transport over and over, and on a small machine one column's garbage (a pickled
-    # 256 MiB tensor) would otherwise slow the next. The VELO columns run first, so the plain
-    # returns of ``producer`` all come after it returned RDT objects of both types; NIXL
-    # runs last, since its agent stays in both processes once made.
-    order = [c for c in columns if c.endswith("_velo")]
-    order += [c for c in columns if c not in order and c != "torch_nixl"]
-    blocks = [(c, producer, c) for c in order]
-    blocks += [
-        ("torch_plain_fresh", fresh, "torch_plain"),
-        ("numpy_plain_fresh", fresh, "numpy_plain"),
-    ]
-    blocks += [(c, producer, c) for c in columns if c == "torch_nixl"]
-    for name, source, method in blocks:
+    for name, source, method in _blocks(columns, producer, fresh):
         for rep in range(reps + 1):
             once(name, source, method, keep=rep > 0)
         if tick is not None:
@@ -145,6 +132,26 @@ def measure_transports(
         "seconds": {c: statistics.median(v) for c, v in seconds.items() if v},
         "consistent": all(len(v) == 1 for v in values.values()),
     }
+
+
+def _blocks(columns: list[str], producer: Any, fresh: Any) -> list[tuple[str, Any, str]]:
+    """The order the columns run in, as (column, source actor, method) blocks.
+
+    Each column in its own block (a warm-up, then ``reps`` timed rounds): a pipeline uses
+    one transport over and over, and on a small machine one column's garbage (a pickled
+    256 MiB tensor) would otherwise slow the next. The VELO columns run first, so the plain
+    returns of ``producer`` all come after it returned RDT objects of both types; NIXL
+    runs last, since its agent stays in both processes once made.
+    """
+    order = [c for c in columns if c.endswith("_velo")]
+    order += [c for c in columns if c not in order and c != "torch_nixl"]
+    blocks = [(c, producer, c) for c in order]
+    blocks += [
+        ("torch_plain_fresh", fresh, "torch_plain"),
+        ("numpy_plain_fresh", fresh, "numpy_plain"),
+    ]
+    blocks += [(c, producer, c) for c in columns if c == "torch_nixl"]
+    return blocks
 
 
 def format_transport(result: dict[str, Any], where: str) -> str:

@@ -105,6 +105,38 @@ def _no_room(directory: str, requested: int, exc: OSError | None = None) -> Shar
     return err
 
 
+def _map_new_segment(directory: str, path: str, size: int, prefault: bool) -> mmap.mmap:
+    """Create the file at ``path`` (``O_EXCL``, mode 0600), size and reserve it, and map it
+    shared read-write: the mapping (its fd closed). When it fails, nothing is left behind.
+
+    Raises:
+        SharedMemoryTooSmall: reserving or pre-faulting found no room (ENOSPC, ENOMEM, ...).
+        OSError: any other failure to create, size or map the file.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    buffer: mmap.mmap | None = None
+    try:
+        os.ftruncate(fd, size)
+        if not prefault:
+            _reserve(fd, size)
+        buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with contextlib.suppress(OSError, AttributeError):
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        if prefault:
+            _populate(buffer, fd, size)
+    except OSError as exc:
+        if buffer is not None:
+            buffer.close()
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        if exc.errno in _NO_ROOM_ERRNOS or exc.errno == errno.EFAULT:
+            raise _no_room(directory, size, exc) from exc
+        raise
+    os.close(fd)  # the mmap object holds its own duplicate
+    return buffer
+
+
 class ShmArena:
     """One page-aligned shared-memory segment owned by this process.
 
@@ -158,29 +190,7 @@ class ShmArena:
             raise SharedMemoryTooSmall(directory=directory, free_bytes=free, requested_bytes=size)
 
         path = os.path.join(directory, segment_name(os.getpid(), owner_tag, next(_sequence)))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        buffer: mmap.mmap | None = None
-        try:
-            os.ftruncate(fd, size)
-            if not prefault:
-                _reserve(fd, size)
-            buffer = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
-            with contextlib.suppress(OSError, AttributeError):
-                buffer.madvise(mmap.MADV_HUGEPAGE)
-            if prefault:
-                _populate(buffer, fd, size)
-        except OSError as exc:
-            if buffer is not None:
-                buffer.close()
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            if exc.errno in _NO_ROOM_ERRNOS or exc.errno == errno.EFAULT:
-                raise _no_room(directory, size, exc) from exc
-            raise
-        os.close(fd)  # the mmap object holds its own duplicate
+        buffer = _map_new_segment(directory, path, size, prefault)
         self._path = path
         self._nbytes = size
         self._buffer: mmap.mmap | None = buffer

@@ -350,6 +350,28 @@ class UcxWorker(_Node):
         self._b = context._b
         ffi, lib = self._b
         self._leaked = False
+        self._handle: Any = self._create_worker(context)
+        try:
+            self._check_thread_mode()
+            self.address: bytes = self._worker_address()
+        except BaseException:
+            lib.ucp_worker_destroy(self._handle)
+            context._forget(self)
+            raise
+
+        self._stop_cell: Any = ffi.new("int *", 0)
+        self._wakeups: Any = ffi.new("uint64_t *", 0)
+        self._progress_status: int | None = None
+        self._thread: threading.Thread | None = None
+        self.blocking = blocking
+        if progress_thread:
+            self._start_progress_thread(blocking, idle_wakeup_s)
+
+    def _create_worker(self, context: UcxContext) -> Any:
+        """``ucp_worker_create`` in MULTI thread mode, adopted by ``context``; the handle.
+
+        On failure the context forgets this worker again (nothing was created)."""
+        ffi, lib = self._b
         with context._lock:
             context._adopt(self, "ucp_worker_create")
             try:
@@ -363,47 +385,47 @@ class UcxWorker(_Node):
             except BaseException:
                 context._children.pop(id(self), None)
                 raise
-        self._handle: Any = worker_p[0]
-        try:
-            attr = ffi.new("ucp_worker_attr_t *")
-            attr.field_mask = lib.UCP_WORKER_ATTR_FIELD_THREAD_MODE
-            check_status(lib.ucp_worker_query(self._handle, attr), "ucp_worker_query")
-            if attr.thread_mode != lib.UCS_THREAD_MODE_MULTI:
-                raise UcxError(
-                    operation="ucp_worker_create",
-                    status=int(UcsStatus.ERR_UNSUPPORTED),
-                    status_text=(
-                        f"thread mode MULTI not granted (got {int(attr.thread_mode)}): "
-                        "this UCX was built without --enable-mt"
-                    ),
-                )
-            address_p = ffi.new("ucp_address_t **")
-            length_p = ffi.new("size_t *")
-            check_status(
-                lib.ucp_worker_get_address(self._handle, address_p, length_p),
-                "ucp_worker_get_address",
-            )
-            self.address: bytes = bytes(ffi.buffer(address_p[0], length_p[0]))
-            lib.ucp_worker_release_address(self._handle, address_p[0])
-        except BaseException:
-            lib.ucp_worker_destroy(self._handle)
-            context._forget(self)
-            raise
+        return worker_p[0]
 
-        self._stop_cell: Any = ffi.new("int *", 0)
-        self._wakeups: Any = ffi.new("uint64_t *", 0)
-        self._progress_status: int | None = None
-        self._thread: threading.Thread | None = None
-        self.blocking = blocking
-        if progress_thread:
-            wakeup_ms = -1 if idle_wakeup_s is None else max(1, int(idle_wakeup_s * 1000))
-            self._thread = threading.Thread(
-                target=self._run_progress,
-                args=(1 if blocking else 0, wakeup_ms),
-                name="ray_velo-ucx-progress",
-                daemon=True,
+    def _check_thread_mode(self) -> None:
+        """Raise unless UCX granted MULTI thread mode (it may quietly grant less)."""
+        ffi, lib = self._b
+        attr = ffi.new("ucp_worker_attr_t *")
+        attr.field_mask = lib.UCP_WORKER_ATTR_FIELD_THREAD_MODE
+        check_status(lib.ucp_worker_query(self._handle, attr), "ucp_worker_query")
+        if attr.thread_mode != lib.UCS_THREAD_MODE_MULTI:
+            raise UcxError(
+                operation="ucp_worker_create",
+                status=int(UcsStatus.ERR_UNSUPPORTED),
+                status_text=(
+                    f"thread mode MULTI not granted (got {int(attr.thread_mode)}): "
+                    "this UCX was built without --enable-mt"
+                ),
             )
-            self._thread.start()
+
+    def _worker_address(self) -> bytes:
+        """The worker's address (what a peer connects to), copied; UCX's copy is released."""
+        ffi, lib = self._b
+        address_p = ffi.new("ucp_address_t **")
+        length_p = ffi.new("size_t *")
+        check_status(
+            lib.ucp_worker_get_address(self._handle, address_p, length_p),
+            "ucp_worker_get_address",
+        )
+        address = bytes(ffi.buffer(address_p[0], length_p[0]))
+        lib.ucp_worker_release_address(self._handle, address_p[0])
+        return address
+
+    def _start_progress_thread(self, blocking: bool, idle_wakeup_s: float | None) -> None:
+        """The C progress loop (:meth:`_run_progress`) on a daemon thread of its own."""
+        wakeup_ms = -1 if idle_wakeup_s is None else max(1, int(idle_wakeup_s * 1000))
+        self._thread = threading.Thread(
+            target=self._run_progress,
+            args=(1 if blocking else 0, wakeup_ms),
+            name="ray_velo-ucx-progress",
+            daemon=True,
+        )
+        self._thread.start()
 
     def _run_progress(self, blocking: int, wakeup_ms: int) -> None:
         status = int(
@@ -926,24 +948,38 @@ def get(
             local_memh._inflight += 1
         memh_handle = local_memh._handle
     try:
-        with ep._cond:
-            ep._check_usable(operation)
-            if rkey.closed:
-                raise _closed_error(operation, rkey._kind)
-            ep._inflight += 1
-            rkey._inflight += 1
-        try:
-            _post_and_wait(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle)
-        finally:
-            with ep._cond:
-                ep._inflight -= 1
-                rkey._inflight -= 1
-                ep._cond.notify_all()
+        _get_counted_in_flight(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle)
     finally:
         if local_memh is not None:
             with local_memh._cond:
                 local_memh._inflight -= 1
                 local_memh._cond.notify_all()
+
+
+def _get_counted_in_flight(
+    ep: Endpoint,
+    local_addr: int,
+    nbytes: int,
+    remote_addr: int,
+    rkey: RemoteKey,
+    timeout_s: float,
+    memh_handle: Any,
+) -> None:
+    """The GET, counted in flight on ``ep`` and ``rkey`` so that neither closes under it."""
+    operation = "ucp_get_nbx"
+    with ep._cond:
+        ep._check_usable(operation)
+        if rkey.closed:
+            raise _closed_error(operation, rkey._kind)
+        ep._inflight += 1
+        rkey._inflight += 1
+    try:
+        _post_and_wait(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle)
+    finally:
+        with ep._cond:
+            ep._inflight -= 1
+            rkey._inflight -= 1
+            ep._cond.notify_all()
 
 
 def _check_get_args(
