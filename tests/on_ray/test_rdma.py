@@ -137,18 +137,32 @@ def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
 def test_consumer_agent_restarted_mid_get_supersedes_its_old_lease(velo: None) -> None:
     """Node b's agent dies mid-GET and the fetching task retries on node b's fresh agent:
     the owner ends the dead incarnation's lease at the new one's first acquire (giving its
-    claim back), so the retry gets the single-use payload, byte-exact."""
-    ray.get(ensure_agent(node_ids()["node_b"]).inject_fault.remote("stall_before_get_s", 60.0))
-    handle = rv.put(pattern(MiB))
-    before = agent_info("node_a")["counters"]["leases_superseded"]
-    ref = crc_on_b.remote(handle)
-    _wait_for_a_lease()
-    os.kill(agent_info("node_b")["pid"], 9)
-    assert ray.get(ref, timeout=60) == zlib.crc32(pattern(MiB))
-    assert agent_info("node_a")["counters"]["leases_superseded"] == before + 1
-    with pytest.raises(rv.HandleNotFound, match="released by its last consumer"):
-        rv.metadata(handle)
-    register_all_peers()
+    claim back), so the retry gets the single-use payload, byte-exact.
+
+    The owner's leases last 30 s here: the supersede must come before the reaper, and a
+    fresh agent's start on this 2-core machine can take longer than the suite's 2 s."""
+    patient = dataclasses.replace(
+        TEST_CONFIG,
+        rdma=dataclasses.replace(
+            TEST_CONFIG.rdma,
+            rendezvous=dataclasses.replace(TEST_CONFIG.rdma.rendezvous, lease_timeout=30.0),
+        ),
+    )
+    restart_agent("node_a", config=patient)
+    try:
+        ray.get(ensure_agent(node_ids()["node_b"]).inject_fault.remote("stall_before_get_s", 60.0))
+        handle = rv.put(pattern(MiB))
+        before = agent_info("node_a")["counters"]["leases_superseded"]
+        ref = crc_on_b.remote(handle)
+        _wait_for_a_lease()
+        os.kill(agent_info("node_b")["pid"], 9)
+        assert ray.get(ref, timeout=60) == zlib.crc32(pattern(MiB))
+        assert agent_info("node_a")["counters"]["leases_superseded"] == before + 1
+        with pytest.raises(rv.HandleNotFound, match="released by its last consumer"):
+            rv.metadata(handle)
+        register_all_peers()
+    finally:
+        restart_agent("node_a")
 
 
 def test_owner_kill_switch_serves_chunks(velo: None) -> None:
