@@ -68,8 +68,16 @@ def _bench(args: argparse.Namespace) -> int:
         config = config.replace(chunk_size=int(args.chunk_mib * MiB))
     if args.in_flight:
         config = config.replace(pulls_in_flight=args.in_flight)
-    rows = run_bench(sizes, args.reps, config=config, with_ucx_raw=not args.no_ucx_raw)
+    from ray_velo.bench.actors import format_latency
+    from ray_velo.bench.samehost import LATENCY_REPS
+
+    latency: dict[int, dict[str, float | None]] = {}
+    rows = run_bench(
+        sizes, args.reps, config=config, with_ucx_raw=not args.no_ucx_raw, latency=latency
+    )
     print(format_table(rows))
+    print()
+    print(format_latency(latency, LATENCY_REPS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([row.as_dict() for row in rows], f, indent=2)

@@ -11,15 +11,19 @@ from __future__ import annotations
 import statistics
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "LATENCY_SIZES",
     "bench_actors",
+    "format_latency",
+    "measure_latency",
     "medians",
     "pipeline_stages",
+    "pipelines",
     "touch",
     "transfer_round",
     "transport_text",
@@ -152,6 +156,93 @@ def pipeline_stages(array_bytes: int) -> tuple[type, Any]:
         return touch(array)
 
     return Batches, read_all
+
+
+def pipelines(
+    size: int, on_a: Mapping[str, float], on_b: Mapping[str, float]
+) -> tuple[Callable[[], dict[str, float | None]], list[Any]]:
+    """One round of the two-stage pipeline (an actor with resources ``on_a`` returns a
+    ``size``-byte array to a task with ``on_b`` that reads it), undecorated (``pipe_ray``) and
+    under ``@rv.transfer`` (``pipe_velo``), timed from the driver; and the actors to kill."""
+    import ray
+
+    import ray_velo as rv
+
+    batches, read_all = pipeline_stages(size)
+    plain_actor: Any = ray.remote(num_cpus=0, resources=dict(on_a))(batches)
+    plain_task = ray.remote(num_cpus=0, resources=dict(on_b))(read_all)
+    stages = {
+        "pipe_ray": (plain_actor.remote(), plain_task),
+        "pipe_velo": (rv.transfer(plain_actor).remote(), rv.transfer(plain_task)),
+    }
+
+    def one() -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for column, (actor, task) in stages.items():
+            started = time.perf_counter()
+            ray.get(task.remote(actor.batch.remote()))
+            out[column] = time.perf_counter() - started
+        return out
+
+    return one, [actor for actor, _ in stages.values()]
+
+
+#: Mid-size payloads, where the control plane's round trips are the cost (issue 12).
+LATENCY_SIZES = (256 << 10, 1 << 20, 4 << 20)
+
+
+def measure_latency(
+    producer: Any,
+    consumer: Any,
+    on_a: Mapping[str, float],
+    on_b: Mapping[str, float],
+    reps: int = 12,
+    each: Callable[[int], object] = lambda _: None,
+) -> dict[int, dict[str, float | None]]:
+    """Median seconds per transfer for each of :data:`LATENCY_SIZES`: ``ray`` and ``velo``
+    (put on a + fetch and read on b, timed inside the actors), ``pipe_ray`` and
+    ``pipe_velo`` (the two-stage pipeline, timed from the driver)."""
+    import ray
+
+    rows: dict[int, dict[str, float | None]] = {}
+    for size in LATENCY_SIZES:
+        ray.get(producer.make.remote(size))
+        rows[size] = medians(reps, lambda: transfer_round(producer, consumer), each)
+        one, actors = pipelines(size, on_a, on_b)
+        rows[size].update(medians(reps, one, each))
+        for actor in actors:
+            ray.kill(getattr(actor, "ray_handle", actor))
+        ray.get(producer.drop.remote())
+    return rows
+
+
+def format_latency(rows: dict[int, dict[str, float | None]], reps: int) -> str:
+    """Mid-size payloads: median ms per transfer beside Ray's, and ray_velo's time over
+    Ray's (below 1.00x: ray_velo is faster)."""
+    head = (
+        f"{'size':>8} {'Ray':>8} {'velo':>8} {'velo/Ray':>9} "
+        f"{'pipe Ray':>9} {'pipe velo':>10} {'pipe v/R':>9}"
+    )
+    lines = [f"mid-size payloads, median ms per transfer (of {reps}):", head, "-" * len(head)]
+
+    def ms(value: float | None) -> str:
+        return f"{value * 1e3:.2f}" if value else "-"
+
+    def over(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    for size, row in sorted(rows.items()):
+        label = f"{size >> 10} KiB" if size < (1 << 20) else f"{size >> 20} MiB"
+        lines.append(
+            f"{label:>8} {ms(row.get('ray')):>8} {ms(row.get('velo')):>8} "
+            f"{over(row.get('velo'), row.get('ray')):>9} {ms(row.get('pipe_ray')):>9} "
+            f"{ms(row.get('pipe_velo')):>10} {over(row.get('pipe_velo'), row.get('pipe_ray')):>9}"
+        )
+    lines.append(
+        "velo/Ray = ray_velo's time over Ray's (below 1.00x: faster); Ray and velo are timed "
+        "inside the actors (put on a, fetch and read on b), the pipelines from the driver."
+    )
+    return "\n".join(lines)
 
 
 def transfer_round(

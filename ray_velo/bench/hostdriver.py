@@ -11,6 +11,8 @@ host b; every column is measured here, in one run, side by side:
 * ``pipe_ray`` / ``pipe_velo``: an actor on a returns the array to a task on b that reads
   it, undecorated and under ``@rv.transfer``, timed from this driver.
 * ``chunked``: ``velo`` again with the kill switch on both agents (the chunked path).
+* ``latency``: for 256 KiB, 1 MiB and 4 MiB, the median time per transfer of ``ray``,
+  ``velo`` and both pipelines (mid-size payloads cost round trips, not bandwidth).
 
 Progress goes to stderr; the last stdout line is ``RESULT <json>``.
 """
@@ -21,12 +23,13 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 MiB = 1 << 20
 RESULT_PREFIX = "RESULT "
 KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
+LATENCY_REPS = 12
 
 __all__ = ["RESULT_PREFIX", "main", "measure"]
 
@@ -47,34 +50,6 @@ def _pair(producer_cls: Any, consumer_cls: Any, hosts: Sequence[Any]) -> tuple[A
     consumer = consumer_cls.options(resources={hosts[1].resource: 1}).remote()
     ray.get([producer.ready.remote(), consumer.ready.remote()], timeout=120)
     return producer, consumer
-
-
-def _pipelines(
-    size: int, hosts: Sequence[Any]
-) -> tuple[Callable[[], dict[str, float | None]], list[Any]]:
-    """One round of both pipelines, and the producer actors to kill afterwards."""
-    import ray
-
-    import ray_velo as rv
-    from ray_velo.bench.actors import pipeline_stages
-
-    batches, read_all = pipeline_stages(size)
-    plain_actor: Any = ray.remote(num_cpus=0, resources={hosts[0].resource: 1})(batches)
-    plain_task = ray.remote(num_cpus=0, resources={hosts[1].resource: 1})(read_all)
-    stages = {
-        "pipe_ray": (plain_actor.remote(), plain_task),
-        "pipe_velo": (rv.transfer(plain_actor).remote(), rv.transfer(plain_task)),
-    }
-
-    def one() -> dict[str, float | None]:
-        out: dict[str, float | None] = {}
-        for column, (actor, task) in stages.items():
-            started = time.perf_counter()
-            ray.get(task.remote(actor.batch.remote()))
-            out[column] = time.perf_counter() - started
-        return out
-
-    return one, [actor for actor, _ in stages.values()]
 
 
 def _restart_agents(config: Any, env: dict[str, str]) -> None:
@@ -105,7 +80,8 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     import ray
 
     import ray_velo as rv
-    from ray_velo.bench.actors import bench_actors, medians, transfer_round
+    from ray_velo.bench.actors import bench_actors, measure_latency, medians, transfer_round
+    from ray_velo.bench.actors import pipelines as bench_pipelines
     from ray_velo.config import VeloConfig
     from ray_velo.testbed import connect
 
@@ -122,11 +98,16 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
         ray.get(producer.make.remote(size))
         rows[size] = medians(reps, lambda: transfer_round(producer, consumer), lambda _: None)
         _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
-        pipelines, producers = _pipelines(size, info.hosts)
+        pipelines, producers = bench_pipelines(
+            size, {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
+        )
         rows[size].update(medians(reps, pipelines, lambda _: None))
         for actor in producers:
             ray.kill(getattr(actor, "ray_handle", actor))
         ray.get(producer.drop.remote())
+    _say("  mid-size payloads: median time per transfer")
+    on_a, on_b = {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
+    latency = measure_latency(producer, consumer, on_a, on_b, LATENCY_REPS)
     consumer_info = ray.get(consumer.agent_info.remote())
     paths["velo"] = _moved(before, ray.get(consumer.path_counts.remote()))
     transports = consumer_info["ucx_transports"]
@@ -148,6 +129,7 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     rv.shutdown()
     return {
         "rows": {str(size): row for size, row in rows.items()},
+        "latency": {str(size): row for size, row in latency.items()},
         "paths": paths,
         "transports": transports,
     }

@@ -32,6 +32,7 @@ import numpy as np
 
 from ray_velo.bench.actors import (
     bench_actors,
+    measure_latency,
     medians,
     pipeline_stages,
     transfer_round,
@@ -39,6 +40,7 @@ from ray_velo.bench.actors import (
 )
 
 MiB = 1 << 20
+LATENCY_REPS = 12
 
 __all__ = ["BenchRow", "demo", "run_bench", "ucx_raw_get"]
 
@@ -191,9 +193,11 @@ def run_bench(
     *,
     config: Any = None,
     with_ucx_raw: bool = True,
+    latency: dict[int, dict[str, float | None]] | None = None,
     progress: Callable[[int, int, str], None] = _progress,
 ) -> list[BenchRow]:
-    """Measure every column for every size, side by side, in one run."""
+    """Measure every column for every size, side by side, in one run; given a ``latency``
+    dict, also fill it with the mid-size latency medians (size -> column -> seconds)."""
 
     largest = max(sizes)
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest), config=config)
@@ -209,6 +213,12 @@ def run_bench(
     try:
         for size in sizes:
             rows.append(_measure_size(cluster, size, reps, lambda label: tick(label)))
+        if latency is not None:
+            latency.update(
+                measure_latency(
+                    cluster.producer, cluster.consumer, {"node_a": 1}, {"node_b": 1}, LATENCY_REPS
+                )
+            )
     finally:
         cluster.close()
     if with_ucx_raw:

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_velo.bench.actors import transport_text
-from ray_velo.bench.hostdriver import RESULT_PREFIX
+from ray_velo.bench.actors import format_latency, transport_text
+from ray_velo.bench.hostdriver import LATENCY_REPS, RESULT_PREFIX
 from ray_velo.errors import TestbedError
 
 __all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]
@@ -40,6 +40,8 @@ class LinkResult:
     rows: dict[int, dict[str, float | None]] = field(default_factory=dict)
     paths: dict[str, dict[str, int]] = field(default_factory=dict)
     transports: dict[str, list[str]] = field(default_factory=dict)
+    #: mid-size payloads: per size, median seconds of ray, velo, pipe_ray, pipe_velo
+    latency: dict[int, dict[str, float | None]] = field(default_factory=dict)
 
     def gbps(self, size: int, column: str) -> float | None:
         seconds = self.rows.get(size, {}).get(column)
@@ -64,6 +66,7 @@ class LinkResult:
                 for size, row in self.rows.items()
             },
             "paths": self.paths,
+            "latency_s": {str(size): row for size, row in self.latency.items()},
         }
 
 
@@ -114,6 +117,7 @@ def run_two_host(
             result.rows.setdefault(int(size_text), {}).update(row)
         result.paths = measured["paths"]
         result.transports = measured["transports"]
+        result.latency = {int(k): v for k, v in measured.get("latency", {}).items()}
         results.append(result)
     return results
 
@@ -176,6 +180,10 @@ def format_two_host(results: Sequence[LinkResult]) -> str:
             f"{'':>7} UCX transport that moved velo's bytes: {result.transport()}; "
             f"consumer path decisions {result.paths}"
         )
+    for result in results:
+        if result.latency:
+            lines.append("")
+            lines.append(f"link {result.link}: " + format_latency(result.latency, LATENCY_REPS))
     lines.append("")
     lines.append(
         "GB/s, medians. Two emulated hosts (network namespaces, veth link shaped with tc tbf, "
