@@ -348,17 +348,41 @@ class FetchDriver:
         run = _Run(self, link, machine, deadline, pid, writer_rid, writer_buffer)
         pending = machine.start()
         while True:
+            # One hop to an agent thread does every step that needs no event loop; only the
+            # owner calls (acquire, pulls) come back here, where waiting holds no thread.
+            step: LocalLease | Acquire | Pull
+            if len(pending) == 1 and isinstance(pending[0], (Acquire, Pull)):
+                step = pending[0]  # nothing to do before the call: no hop
+            else:
+                step = await blocking(self._advance, run, machine, pending, started)
+            if isinstance(step, LocalLease):
+                return step
+            pending = machine.on(await run.request(step, blocking))
+
+    def _advance(
+        self, run: _Run, machine: FetchMachine, pending: list[Instruction], started: float
+    ) -> LocalLease | Acquire | Pull:
+        """Perform the machine's instructions that need no event loop (on an agent thread),
+        feeding their events back to it, until the fetch is done (its lease), failed (its
+        error is raised) or needs a call to the owner (that request, always the last of its
+        list)."""
+        while True:
             event: Event | None = None
-            for instruction in pending:
+            for index, instruction in enumerate(pending):
                 if isinstance(instruction, Done):
-                    lease: LocalLease = await blocking(self._finish, run, instruction, started)
-                    return lease
+                    return self._finish(run, instruction, started)
                 if isinstance(instruction, Fail):
                     raise instruction.error
-                if isinstance(instruction, (Acquire, CheckDescriptor, Allocate, Get, Pull)):
-                    event = await run.request(instruction, blocking)
+                if isinstance(instruction, (Acquire, Pull)):
+                    assert index == len(pending) - 1, f"a request before the end of {pending}"
+                    return instruction
+                if isinstance(instruction, (CheckDescriptor, Allocate, Get)):
+                    try:
+                        event = run._request_blocking(instruction)
+                    except Exception as exc:
+                        event = Failed(exc)
                 else:
-                    await blocking(run.act, instruction)
+                    run.act(instruction)
             assert event is not None, f"no request among {pending}"
             pending = machine.on(event)
 
