@@ -128,28 +128,27 @@ class _Run:
         self.dest = _Destination(writer_buffer, None, writer_buffer is not None)
         self.local: tuple[Any, int] | None = None  # (local slot, reader's lease id)
 
-    async def request(self, instruction: Instruction, blocking: Blocking) -> Event:
-        """Perform a request: the calls to the owner awaited, the rest through ``blocking``
-        (off the event loop); what it raised becomes a Failed event."""
+    async def request(self, instruction: Acquire | Pull, blocking: Blocking) -> Event:
+        """Perform a call to the owner, awaited on the event loop (the other requests run in
+        :meth:`FetchDriver._advance`, on an agent thread); what it raised becomes a Failed
+        event."""
         try:
             if isinstance(instruction, Acquire):
                 return await self._acquire(instruction)
-            if isinstance(instruction, Pull):
-                await self.link.pull(
-                    instruction.answer,
-                    self.dest.buffer.view(),
-                    self.core.config.pulls_in_flight,
-                    self.deadline,
-                    self.handle,
-                    blocking,
-                )
-                return Pulled()
-            event: Event = await blocking(self._request_blocking, instruction)
-            return event
+            await self.link.pull(
+                instruction.answer,
+                self.dest.buffer.view(),
+                self.core.config.pulls_in_flight,
+                self.deadline,
+                self.handle,
+                blocking,
+            )
+            return Pulled()
         except Exception as exc:
             return Failed(exc)
 
-    def _request_blocking(self, instruction: Instruction) -> Event:
+    def request_blocking(self, instruction: Instruction) -> Event:
+        """Perform a request that needs no event loop: decode, allocate, GET."""
         if isinstance(instruction, CheckDescriptor):
             try:
                 return Decoded(
@@ -378,7 +377,7 @@ class FetchDriver:
                     return instruction
                 if isinstance(instruction, (CheckDescriptor, Allocate, Get)):
                     try:
-                        event = run._request_blocking(instruction)
+                        event = run.request_blocking(instruction)
                     except Exception as exc:
                         event = Failed(exc)
                 else:
