@@ -50,10 +50,10 @@ class Slack:
         if name == "rss_anon_bytes":
             extra = max(extra, int(base * self.rss_share))
         if name == "registered_bytes":
-            # A pool grows by doubling its newest arena and keeps what it mapped: one more
-            # arena after the warm-up is a working set found late, not a leak (which keeps
-            # growing past it).
-            extra = max(extra, base)
+            # A pool grows by doubling its newest arena (at most the whole warm-up level) and
+            # keeps what it mapped: one more arena after the warm-up is a working set found
+            # late, not a leak (which keeps growing past it).
+            extra = max(extra, 2 * base)
         return base + extra
 
 
