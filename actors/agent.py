@@ -12,8 +12,9 @@ the node's memory, metrics, the UCX backend) and the roles that share it:
 
 It owns the timer (one :class:`~ray_velo.actors.ticker.Ticker` for every deadline, liveness
 check and reclamation) and the shutdown order. The class is plain Python; :mod:`ray_velo.actors`
-wraps it with ``ray.remote`` as a threaded actor, so a long pull never blocks an acquire. Its
-methods are the Ray entry points, each a one-line delegation.
+wraps it with ``ray.remote`` as an asyncio actor (short calls on its event loop, the rest on
+its threads, so a long pull never blocks an acquire). Its methods are the Ray entry points,
+each a one-line delegation.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ray_velo.local.producers import ProducerService
 from ray_velo.local.readers import ReaderService
 from ray_velo.local.records import LocalLease, RegionInfo, Reservation
 from ray_velo.local.regions import RegionService
-from ray_velo.memory.arena import SEGMENT_PREFIX, remove_stale_segments
+from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segments
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
 from ray_velo.owner.state import OwnerState, RegionSlot
@@ -76,16 +77,6 @@ def _start_rdma(config: VeloConfig) -> tuple[UcxRdmaBackend | None, str]:
     except VeloError as exc:
         _log.warning("ray_velo: UCX failed to start; chunked path only", exc_info=True)
         return None, f"UCX failed to start: {exc}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def process_stats(shm_dir: str) -> dict[str, int]:
@@ -135,6 +126,12 @@ def _node_of_worker(worker_id: int) -> str | None:
     return node_of_worker(worker_id)
 
 
+def _wire_address(worker_id: int) -> str | None:
+    from ray_velo.actors.directory import wire_address_of
+
+    return wire_address_of(worker_id)
+
+
 class RendezvousAgent:
     """Owner and node-local consumer of staged payloads (see the module docstring)."""
 
@@ -170,7 +167,7 @@ class RendezvousAgent:
         self.producers = ProducerService(core)
         self.readers = ReaderService(core)
         self.regions = RegionService(core)
-        self.peers = PeerDirectory(rdma, _find_agent, _node_of_worker, node_id)
+        self.peers = PeerDirectory(rdma, _find_agent, _node_of_worker, node_id, _wire_address)
         self.consumer = ConsumerService(core, peers or self.peers, self.owner)
         self._gauges_due = -math.inf
         self._refresh_gauges(clock())  # every gauge set from the start
@@ -379,7 +376,7 @@ class RendezvousAgent:
             swept = state.sweep(now, fx)
             core.metrics.leases_reaped(swept.rdma_leases_reaped)
             watched = state.watched_pids() | self.regions.pids()
-            dead = {pid for pid in watched if not _pid_alive(pid)}
+            dead = {pid for pid in watched if not pid_alive(pid)}
             reaped = state.reap(dead, now, fx) if dead else None
             core.metrics.set_slots(state.store.live_slots, state.store.staged_bytes)
             due = [state.next_due(), self._refresh_gauges(now)]
@@ -476,6 +473,7 @@ class RendezvousAgent:
         with core.changing() as fx:
             report["slots"] = core.state.clear(core.clock(), fx)
         core.commits.release_all()
+        self.peers.close()
         core.memory.close()
         if core.rdma is not None:  # after every unmap: endpoints and worker go last
             core.rdma.close()

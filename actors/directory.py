@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -13,9 +14,18 @@ import ray
 from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_velo import nonblocking
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
+from ray_velo.errors import StagingError
+from ray_velo.local.channel import (
+    DISABLE_ENV,
+    ChannelServer,
+    remove_stale_sockets,
+    socket_path,
+)
+from ray_velo.owner.wire import WIRE_DISABLE_ENV, WireServer
 
 __all__ = [
     "NAMESPACE",
@@ -30,20 +40,22 @@ __all__ = [
     "node_of_worker",
     "register_all_peers",
     "store_cluster_config",
+    "wire_address_of",
 ]
 
 NAMESPACE = "ray_velo"
 _KV_NAMESPACE = "ray_velo"
+_log = logging.getLogger(__name__)
 _CONFIG_KEY = b"config"
 #: Threads an agent runs its blocking work on (the handlers, mappings, GETs, copies). A
 #: fetch waiting for an owner's answer holds none of them: it is a coroutine.
 AGENT_THREADS = 64
 #: Calls one agent has in progress at once (coroutines: fetches waiting on owners included).
 AGENT_MAX_CONCURRENCY = 4096
-#: The agent's Ray entry points that run on its threads (everything but fetch_remote).
-_BLOCKING_METHODS = (
-    "info",
-    "inject_fault",
+#: The agent's Ray entry points that are a short change of its state: they run on its event
+#: loop, and again on a thread only if they reach a step that may block (see
+#: :mod:`ray_velo.nonblocking`). Each saves a thread hop each way on the transfer's path.
+_QUICK_METHODS = (
     "stage_reserve",
     "stage_commit",
     "stage_abort",
@@ -51,11 +63,17 @@ _BLOCKING_METHODS = (
     "local_end",
     "_rv_metadata",
     "_rv_acquire",
-    "_rv_pull",
     "_rv_ref",
     "_rv_detach",
     "_rv_release",
     "_rv_lease_renew",
+    "ucx_address",
+)
+#: The agent's Ray entry points that run on its threads: they may wait on peers, map or
+#: copy (everything but fetch_remote, which is a coroutine, and the quick ones).
+_BLOCKING_METHODS = (
+    "inject_fault",
+    "_rv_pull",
     "region_alloc",
     "region_stage",
     "region_unregister",
@@ -63,7 +81,6 @@ _BLOCKING_METHODS = (
     "claim_end",
     "release_quietly",
     "route",
-    "ucx_address",
     "register_peers",
     "cleanup",
     "status",
@@ -78,10 +95,11 @@ def agent_name(node_id: str) -> str:
 class _RendezvousActor:
     """The agent as an asyncio Ray actor.
 
-    Every entry point but ``fetch_remote`` runs the plain agent's method on one of
-    :data:`AGENT_THREADS` threads; ``fetch_remote`` is a coroutine whose waits on the owner
-    hold no thread, so fetches hanging on a stalled owner never starve the others (nor the
-    owner handlers this agent serves). It records its worker id for routing.
+    The quick entry points (:data:`_QUICK_METHODS`) run the plain agent's method on the
+    event loop, the others on one of :data:`AGENT_THREADS` threads; ``fetch_remote`` is a
+    coroutine whose waits on the owner hold no thread, so fetches hanging on a stalled owner
+    never starve the others (nor the owner handlers this agent serves). It records its
+    worker id for routing.
     """
 
     def __init__(self, config: VeloConfig, node_id: str) -> None:
@@ -90,16 +108,87 @@ class _RendezvousActor:
         self.agent = RendezvousAgent(config, node_id)
         self.worker_id = self.agent.worker_id
         self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
+        self._threads_closed = False
         internal_kv._internal_kv_put(
             _worker_key(self.worker_id), node_id.encode(), overwrite=True, namespace=_KV_NAMESPACE
         )
+        self._channel: ChannelServer | None = None
+        if os.environ.get(DISABLE_ENV) != "1":
+            remove_stale_sockets(config.shm_dir)
+            path = socket_path(config.shm_dir, os.getpid(), self.worker_id)
+            self._channel = ChannelServer(path, self._channel_call)
+        self._wire: WireServer | None = None
+        if os.environ.get(WIRE_DISABLE_ENV) != "1":
+            self._wire = WireServer(ray.util.get_node_ip_address(), self._wire_call)  # type: ignore[no-untyped-call]
+        self._started: asyncio.Future[None] | None = None
+
+    async def _serving(self) -> str:
+        """Start the socket and the TCP wire on the event loop, once (Ray runs ``__init__``
+        off it); the socket's path, or "" when there is none (Ray calls instead)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self._start_servers())
+        await asyncio.shield(self._started)
+        return "" if self._channel is None else self._channel.path
+
+    async def _start_servers(self) -> None:
+        if self._channel is not None:
+            try:
+                await self._channel.start()
+            except OSError:
+                _log.warning("ray_velo: the agent's socket failed; Ray calls", exc_info=True)
+                self._channel = None
+        if self._wire is not None:
+            try:
+                await self._wire.start()
+            except OSError:
+                _log.warning("ray_velo: the agent's TCP wire failed; Ray calls", exc_info=True)
+                self._wire = None
+                return
+            internal_kv._internal_kv_put(
+                _wire_key(self.worker_id), self._wire.address.encode(), overwrite=True,
+                namespace=_KV_NAMESPACE,
+            )  # fmt: skip
+
+    async def _wire_call(self, method: str, message: bytes) -> Any:
+        return await self.quick(getattr(self.agent, method), message)
+
+    async def _channel_call(self, method: str, args: tuple[Any, ...]) -> Any:
+        if method == "fetch_remote":
+            return await self.fetch_remote(*args)
+        return await self.quick(getattr(self.agent, method), *args)
+
+    async def info(self) -> dict[str, Any]:
+        """The agent's identity and counters, and the path of its socket ("": none)."""
+        socket = await self._serving()
+        info: dict[str, Any] = await self.blocking(self.agent.info)
+        info["socket"] = socket
+        info["socket_calls"] = 0 if self._channel is None else self._channel.calls
+        info["wire"] = "" if self._wire is None else self._wire.address
+        info["wire_calls"] = 0 if self._wire is None else self._wire.calls
+        return info
 
     async def blocking(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` on the agent's threads."""
+        """Run ``fn(*args)`` on the agent's threads (StagingError after its shutdown)."""
+        if self._threads_closed:
+            raise self._closed_error()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, functools.partial(fn, *args))
 
+    async def quick(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` right here on the event loop; on the agent's threads instead if
+        it reaches a step that may block (it raised WouldBlock before changing anything)."""
+        try:
+            with nonblocking.on_loop(self._offload):
+                return fn(*args)
+        except nonblocking.WouldBlock:
+            return await self.blocking(fn, *args)
+
+    def _offload(self, work: Any) -> None:
+        # A quick call's slow effect (unmapping): on a thread, not waited for.
+        self._threads.submit(_logged, work)
+
     async def ping(self) -> int:
+        await self._serving()
         return self.worker_id
 
     async def fetch_remote(
@@ -125,20 +214,52 @@ class _RendezvousActor:
     async def shutdown(self, timeout_s: float | None = None) -> dict[str, int]:
         """The agent's shutdown, then its threads (the call itself runs on one)."""
         freed: dict[str, int] = await self.blocking(self.agent.shutdown, timeout_s)
+        channel, self._channel = self._channel, None  # after the drain: its calls answered
+        if channel is not None:
+            await channel.close(self._closed_error())
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            internal_kv._internal_kv_del(_wire_key(self.worker_id), namespace=_KV_NAMESPACE)
+            await wire.close()
         self._threads.shutdown(wait=False)
+        self._threads_closed = True
         return freed
 
+    def _closed_error(self) -> BaseException:
+        """What a call to this agent after its shutdown gets (a StagingError)."""
+        try:
+            self.agent.core.check_open()
+        except StagingError as exc:
+            return exc
+        return StagingError(f"the ray_velo agent on node {self.agent.node_id} is shutting down")
 
-def _delegate(name: str) -> Any:
-    async def call(self: _RendezvousActor, *args: Any) -> Any:
-        return await self.blocking(getattr(self.agent, name), *args)
+
+def _logged(work: Any) -> None:
+    try:
+        work()
+    except Exception:  # nobody waits for it: say so here
+        _log.exception("ray_velo: a deferred free failed")
+
+
+def _delegate(name: str, quick: bool) -> Any:
+    if quick:
+
+        async def call(self: _RendezvousActor, *args: Any) -> Any:
+            return await self.quick(getattr(self.agent, name), *args)
+
+    else:
+
+        async def call(self: _RendezvousActor, *args: Any) -> Any:
+            return await self.blocking(getattr(self.agent, name), *args)
 
     call.__name__ = call.__qualname__ = name
     return call
 
 
 for _name in _BLOCKING_METHODS:
-    setattr(_RendezvousActor, _name, _delegate(_name))
+    setattr(_RendezvousActor, _name, _delegate(_name, quick=False))
+for _name in _QUICK_METHODS:
+    setattr(_RendezvousActor, _name, _delegate(_name, quick=True))
 
 RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(  # type: ignore[call-overload]
     _RendezvousActor
@@ -147,6 +268,17 @@ RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRE
 
 def _worker_key(worker_id: int) -> bytes:
     return f"worker:{worker_id:016x}".encode()
+
+
+def _wire_key(worker_id: int) -> bytes:
+    return f"wire:{worker_id:016x}".encode()
+
+
+def wire_address_of(worker_id: int) -> str | None:
+    """``host:port`` where the agent that issued ``worker_id``'s handles serves its short
+    handlers over TCP, or None (it serves them as Ray calls only)."""
+    value = internal_kv._internal_kv_get(_wire_key(worker_id), namespace=_KV_NAMESPACE)
+    return value.decode() if value else None
 
 
 def node_of_worker(worker_id: int) -> str | None:

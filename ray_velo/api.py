@@ -295,8 +295,7 @@ def get_pinned(handle: DataHandle, *, timeout: float | None = None) -> tuple[Pin
     else:
         # Same node: the caller's lease is the owner's, ended by detach/release; the view
         # holds a lease of its own so the memory outlives it whatever the caller does.
-        agent = session.current().agent
-        own = session.call(agent.local_acquire.remote(handle, os.getpid(), "detach"))
+        own = session.current().call("local_acquire", handle, os.getpid(), "detach")
         array = session.leased_array(own)
     return PinnedBuf(array, local.type_header), lease_id
 
@@ -336,9 +335,7 @@ def alloc_pinned_writer(nbytes: int) -> PinnedWriter:
     if nbytes <= 0:
         raise ValueError(f"nbytes must be > 0, got {nbytes}")
     state = session.current()
-    reservation: Reservation = session.call(
-        state.agent.stage_reserve.remote(nbytes, True, os.getpid())
-    )
+    reservation: Reservation = state.call("stage_reserve", nbytes, True, os.getpid())
     view = session.segment_view(state, reservation.path, reservation.offset, nbytes)
     return PinnedWriter(reservation, view)
 

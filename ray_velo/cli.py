@@ -3,6 +3,7 @@
 ray-velo demo [--size-mib 256]
 ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
 ray-velo bench --decorator | --transport [--sizes 256] [--reps 5]
+ray-velo bench --calls [--reps 40]
 ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
 ray-velo bench --two-host --transport [--link 25gbit] [--sizes 256] [--reps 5]
 ray-velo status [--address auto] [--json]
@@ -49,6 +50,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.decorator:
         size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
         print(run_decorator_bench(size, args.reps))
+        return 0
+    if args.calls:
+        from ray_velo.bench.calls import format_calls, run_calls_bench
+
+        reps = max(args.reps, 40) if args.reps == 5 else args.reps  # 5 (the default) is few
+        print(format_calls(run_calls_bench(reps), reps))
         return 0
     if args.transport:
         from ray_velo.bench.samehost import run_transport_bench
@@ -237,6 +244,11 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--transport",
         action="store_true",
         help='tensor_transport="VELO"/"VELO_NUMPY" (and NIXL) vs Ray\'s object store, actor to actor',
+    )
+    bench.add_argument(
+        "--calls",
+        action="store_true",
+        help="each call on a transfer's path: over Ray vs over the agents' socket and TCP wire",
     )
     bench.add_argument(
         "--two-host",

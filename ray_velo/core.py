@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray_velo import nonblocking
 from ray_velo.config import VeloConfig
 from ray_velo.errors import StagingError
 from ray_velo.memory.node import NodeMemory
@@ -62,7 +63,10 @@ class CommitGate:
             return
         with self._lock:
             event = self._events.get(handle.slot_id)
-        if event is not None and not event.wait(timeout_s):
+        if event is None or event.is_set():
+            return
+        nonblocking.check(f"waiting for the commit of {handle}")
+        if not event.wait(timeout_s):
             raise StagingError(
                 f"handle {handle} is still being staged after {timeout_s} s: its producer "
                 "did not commit it"
@@ -126,12 +130,24 @@ class AgentCore:
             return True
 
     def perform(self, fx: Effects) -> None:
-        """Give buffers back, release anchors, poke the timer (outside the lock)."""
+        """Give buffers back, release anchors, poke the timer (outside the lock). Giving a
+        dedicated arena back may unmap it, and an anchor's release may deregister a region:
+        on the event loop those go to a thread (:func:`~ray_velo.nonblocking.defer`)."""
         now = self.clock()
+        slow = [(b, r) for b, r in fx.free if getattr(b, "dedicated", False)]
         for buffer, registered in fx.free:
-            self.memory.free(buffer, registered, now)
-        for anchor in fx.anchors:
-            anchor.release()
+            if not getattr(buffer, "dedicated", False):
+                self.memory.free(buffer, registered, now)
+        if slow or fx.anchors:
+            anchors = list(fx.anchors)
+
+            def slow_effects() -> None:
+                for buffer, registered in slow:
+                    self.memory.free(buffer, registered, now)
+                for anchor in anchors:
+                    anchor.release()
+
+            nonblocking.defer(slow_effects)
         if fx.poke:
             self.poke()
 

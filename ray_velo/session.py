@@ -31,6 +31,7 @@ from ray import exceptions as ray_errors
 from ray_velo.calls import clear_ray_frames, wait
 from ray_velo.config import VeloConfig
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
+from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
@@ -68,6 +69,21 @@ class Session:
     agent: Any
     worker_id: int
     segments: SegmentMap
+    #: The agent's socket for the calls a caller waits for; None: Ray calls only.
+    channel: AgentChannel | None = None
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Run the agent's ``method(*args)`` and wait for it, within ``timeout_s``: over the
+        agent's socket for :data:`~ray_velo.local.channel.CHANNEL_METHODS` when it has one,
+        else as a Ray call. Raises what the agent raised; AgentDied (the session forgotten)
+        when the agent is gone."""
+        if self.channel is None or method not in CHANNEL_METHODS:
+            return call(getattr(self.agent, method).remote(*args), timeout_s)
+        try:
+            return self.channel.call(method, args, timeout_s, lambda: _no_answer(timeout_s))
+        except AgentDied:
+            forget()
+            raise
 
 
 _lock = threading.Lock()
@@ -94,24 +110,26 @@ def retrying_dead_agent(attempt: Callable[[], T]) -> T:
 def call(ref: Any, timeout_s: float | None = None) -> Any:
     """Wait for a call to this node's agent; Ray's errors mapped to ours. A dead agent is
     forgotten (the next call finds the node's new one) and raises AgentDied."""
-
-    def timed_out() -> BaseException:
-        return TransferTimeout(
-            handle="?", timeout_s=timeout_s, bound="this node's agent did not answer in time"
-        )
-
     try:
-        return wait(ref, timeout_s, peer="agent", on_timeout=timed_out)
+        return wait(ref, timeout_s, peer="agent", on_timeout=lambda: _no_answer(timeout_s))
     except AgentDied:
         forget()
         raise
+
+
+def _no_answer(timeout_s: float | None) -> BaseException:
+    return TransferTimeout(
+        handle="?", timeout_s=timeout_s, bound="this node's agent did not answer in time"
+    )
 
 
 def forget() -> None:
     """Drop this process's session (its agent died, or ray_velo shut down)."""
     global _session
     with _lock:
-        _session = None
+        session, _session = _session, None
+    if session is not None and session.channel is not None:
+        session.channel.close()
 
 
 def current() -> Session:
@@ -138,6 +156,7 @@ def current() -> Session:
                 agent=agent,
                 worker_id=info["worker_id"],
                 segments=SegmentMap(),
+                channel=AgentChannel(info["socket"]) if info.get("socket") else None,
             )
         return _session
 
@@ -225,8 +244,7 @@ def _stage(
     def reserve() -> tuple[Session, Reservation | None]:
         # Nothing is staged yet: a dead agent's successor can take the reservation instead.
         session = current()
-        reserving = session.agent.stage_reserve.remote(nbytes, pinned, os.getpid(), may_map)
-        return session, call(reserving)
+        return session, session.call("stage_reserve", nbytes, pinned, os.getpid(), may_map)
 
     session, reservation = retrying_dead_agent(reserve)
     if reservation is None:
@@ -284,13 +302,13 @@ def _lease_once(
 ) -> LocalLease:
     session = current()
     if handle.worker_id == session.worker_id and not writer_reservation:
-        return call(session.agent.local_acquire.remote(handle, os.getpid(), mode))  # type: ignore[no-any-return]
+        return session.call("local_acquire", handle, os.getpid(), mode)  # type: ignore[no-any-return]
     bound, which = fetch_bound(timeout, session.config)
     wait_s = None if bound is None else bound + AGENT_SLACK_S
-    ref = session.agent.fetch_remote.remote(
-        handle, mode, bound, os.getpid(), which, writer_reservation
-    )
-    return call(ref, wait_s)  # type: ignore[no-any-return]
+    return session.call(  # type: ignore[no-any-return]
+        "fetch_remote", handle, mode, bound, os.getpid(), which, writer_reservation,
+        timeout_s=wait_s,
+    )  # fmt: skip
 
 
 class _LeasedBytes:

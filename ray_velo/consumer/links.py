@@ -9,13 +9,15 @@ chunked pulls. :class:`RayOwnerLink` carries them as Ray actor calls to the owne
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from ray_velo.consumer.deadline import Deadline
-from ray_velo.errors import VeloError
+from ray_velo.errors import OwnerDied, VeloError
 from ray_velo.protocol import (
     AcquireRequest,
     DataHandle,
@@ -25,10 +27,21 @@ from ray_velo.protocol import (
     decode_acquire_response,
     encode,
 )
+from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
 
-__all__ = ["Blocking", "OwnerLink", "RayOwnerLink", "acquire", "check_chunk", "inline"]
+__all__ = [
+    "Blocking",
+    "OwnerLink",
+    "RayOwnerLink",
+    "WireOwnerLink",
+    "acquire",
+    "check_chunk",
+    "inline",
+]
 
 T = TypeVar("T")
+#: Bound on opening the TCP link to an owner (then Ray calls are used instead).
+_CONNECT_TIMEOUT_S = 2.0
 #: Runs a blocking call off the event loop: ``await blocking(fn, *args)``.
 Blocking = Callable[..., Awaitable[Any]]
 
@@ -188,3 +201,141 @@ class RayOwnerLink:
         finally:
             for task in pending:
                 task.cancel()
+
+
+class WireOwnerLink:
+    """An owner agent reached over TCP for its short handlers (:data:`WIRE_METHODS`), and
+    with Ray calls for the rest (pulls, synchronous calls) and whenever the TCP connection
+    cannot be made (an owner without the wire: an older version, or a closed port).
+
+    One connection, opened on the event loop by the first call and shared by every fetch:
+    calls are matched to answers by id. A connection that breaks fails its calls with
+    OwnerDied (the agent is gone, or the link is: the fetch retries once on a fresh link).
+    """
+
+    def __init__(self, ray_link: RayOwnerLink, address: str) -> None:
+        self.ray = ray_link
+        self.node = ray_link.node
+        self.address = address
+        self.disabled = False  # the connection failed: Ray calls from now on
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._reading: asyncio.Future[None] | None = None
+
+    def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+        return self.ray.call(method, message, deadline, handle)
+
+    def ucx_address(self, deadline: Deadline) -> tuple[int, bytes | None]:
+        return self.ray.ucx_address(deadline)
+
+    async def pull(
+        self,
+        answer: Ready,
+        dest: memoryview,
+        in_flight: int,
+        deadline: Deadline,
+        handle: DataHandle,
+        blocking: Blocking,
+    ) -> None:
+        await self.ray.pull(answer, dest, in_flight, deadline, handle, blocking)
+
+    def send(self, method: str, message: bytes) -> None:
+        loop, writer = self._loop, self._writer
+        if method not in WIRE_METHODS or loop is None or writer is None or loop.is_closed():
+            self.ray.send(method, message)
+            return
+        frame = encode_request(method, 0, message)
+        try:
+            loop.call_soon_threadsafe(self._write_or_ray, writer, frame, method, message)
+        except RuntimeError:  # the loop closed meanwhile
+            self.ray.send(method, message)
+
+    def _write_or_ray(
+        self, writer: asyncio.StreamWriter, frame: bytes, method: str, message: bytes
+    ) -> None:
+        if writer.is_closing():
+            self.ray.send(method, message)
+        else:
+            writer.write(frame)
+
+    async def call_async(
+        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+    ) -> Any:
+        if method not in WIRE_METHODS or not await self._connected(deadline):
+            return await self.ray.call_async(method, message, deadline, handle)
+        assert self._writer is not None
+        call_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = answer
+        try:
+            self._writer.write(encode_request(method, call_id, message))
+            ok, value = await asyncio.wait_for(answer, deadline.remaining())
+        except asyncio.TimeoutError:
+            raise deadline.timeout_error(handle) from None
+        except ConnectionError:
+            raise OwnerDied(handle=str(handle), node=self.node) from None
+        finally:
+            self._pending.pop(call_id, None)
+        if not ok:
+            raise value
+        return value
+
+    async def _connected(self, deadline: Deadline) -> bool:
+        """Whether the connection is up (opened now if need be); False: use Ray calls."""
+        if self.disabled:
+            return False
+        if self._writer is not None and not self._writer.is_closing():
+            return True
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._writer is not None and not self._writer.is_closing():
+                return True
+            host, _, port = self.address.rpartition(":")
+            left = deadline.remaining()
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, int(port)),
+                    min(_CONNECT_TIMEOUT_S, left) if left is not None else _CONNECT_TIMEOUT_S,
+                )
+            except (OSError, asyncio.TimeoutError, ValueError):
+                self.disabled = True  # Ray calls say whether the owner is alive
+                return False
+            self._loop, self._writer = asyncio.get_running_loop(), writer
+            self._reading = asyncio.ensure_future(self._read_answers(reader, writer))
+            return True
+
+    async def _read_answers(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            while True:
+                length, status, call_id = HEADER.unpack(await reader.readexactly(HEADER.size))
+                body = await reader.readexactly(length - (HEADER.size - 4))
+                answer = self._pending.get(call_id)
+                if answer is None or answer.done():
+                    continue  # its caller gave up
+                try:
+                    answer.set_result(decode_answer(status, body))
+                except VeloError as exc:  # a malformed answer
+                    answer.set_result((False, exc))
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+            if self._writer is writer:
+                self._writer = None
+            for answer in list(self._pending.values()):
+                if not answer.done():
+                    answer.set_exception(ConnectionError("the owner's agent closed the link"))
+
+    def close(self) -> None:
+        """Close the connection (its calls fail as OwnerDied)."""
+        writer, self._writer = self._writer, None
+        loop = self._loop
+        if writer is not None and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(writer.close)

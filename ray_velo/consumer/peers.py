@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ray_velo.consumer.deadline import Deadline
-from ray_velo.consumer.links import OwnerLink, RayOwnerLink
+from ray_velo.consumer.links import OwnerLink, RayOwnerLink, WireOwnerLink
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.protocol import DataHandle
 
@@ -27,6 +27,10 @@ class Peers(Protocol):
 
     def link(self, handle: DataHandle) -> OwnerLink:
         """The owner of ``handle``. Raises OwnerDied or HandleNotFound."""
+        ...
+
+    def cached(self, handle: DataHandle) -> OwnerLink | None:
+        """The owner of ``handle`` if it is known already (never blocks), else None."""
         ...
 
     def forget(self, link: OwnerLink) -> bool:
@@ -52,13 +56,15 @@ class PeerDirectory:
         find_agent: Callable[[str], Any],
         node_of_worker: Callable[[int], str | None],
         own_node: str,
+        wire_address: Callable[[int], str | None] = lambda worker_id: None,
     ) -> None:
         self._rdma = rdma
         self._find_agent = find_agent
         self._node_of_worker = node_of_worker
+        self._wire_address = wire_address
         self._own_node = own_node
         self._lock = threading.Lock()
-        self._links: dict[str, RayOwnerLink] = {}
+        self._links: dict[str, RayOwnerLink | WireOwnerLink] = {}
         self._no_ucx: set[tuple[str, int]] = set()  # (node, worker id) without UCX
 
     def owner_node(self, handle: DataHandle) -> str:
@@ -69,7 +75,13 @@ class PeerDirectory:
             raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
         return node
 
-    def link(self, handle: DataHandle) -> RayOwnerLink:
+    def cached(self, handle: DataHandle) -> RayOwnerLink | WireOwnerLink | None:
+        if not handle.owner_node:
+            return None  # a lookup in Ray's KV first
+        with self._lock:
+            return self._links.get(handle.owner_node)
+
+    def link(self, handle: DataHandle) -> RayOwnerLink | WireOwnerLink:
         node = self.owner_node(handle)
         with self._lock:
             link = self._links.get(node)
@@ -79,16 +91,29 @@ class PeerDirectory:
             actor = self._find_agent(node)
         except ValueError as exc:
             raise OwnerDied(handle=str(handle), node=node) from exc
-        link = RayOwnerLink(actor, node)
+        ray_link = RayOwnerLink(actor, node)
+        address = self._wire_address(handle.worker_id)
+        # An owner that serves its short handlers over TCP is called there.
+        found = WireOwnerLink(ray_link, address) if address else ray_link
         with self._lock:
-            return self._links.setdefault(node, link)
+            return self._links.setdefault(node, found)
 
     def forget(self, link: OwnerLink) -> bool:
         with self._lock:
             cached = self._links.get(link.node) is link
             if cached:
                 del self._links[link.node]
+        if cached and isinstance(link, WireOwnerLink):
+            link.close()
         return cached
+
+    def close(self) -> None:
+        """Close every TCP link to an owner (the agent shuts down)."""
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            if isinstance(link, WireOwnerLink):
+                link.close()
 
     @property
     def nodes(self) -> list[str]:

@@ -105,7 +105,7 @@ class ConsumerService:
     async def _fetch(
         self, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int, blocking: Blocking
     ) -> LocalLease:
-        link = await blocking(self.peers.link, handle)
+        link = await self._link(handle, blocking)
         if mode != "hold":
             cached = await self._from_copy(link, handle, mode, deadline, pid)
             if cached is not None:
@@ -117,8 +117,15 @@ class ConsumerService:
                 raise
         # The cached link was to a dead incarnation; a new agent may serve the node now (it
         # answers HandleNotFound for the old one's handles).
-        link = await blocking(self.peers.link, handle)
+        link = await self._link(handle, blocking)
         return await self.driver.run(link, handle, mode, deadline, pid, blocking)
+
+    async def _link(self, handle: DataHandle, blocking: Blocking) -> OwnerLink:
+        """The owner's link: a known one at once, a lookup (Ray calls) off the loop."""
+        link = self.peers.cached(handle)
+        if link is None:
+            link = await blocking(self.peers.link, handle)
+        return link
 
     async def _into_writer(
         self,
@@ -133,7 +140,7 @@ class ConsumerService:
         with core.lock:
             pending = core.state.fill_begin(writer_rid)  # its buffer stays until we end
         try:
-            link = await blocking(self.peers.link, handle)
+            link = await self._link(handle, blocking)
             return await self.driver.run(
                 link, handle, mode, deadline, pid, blocking, writer_rid, pending.buffer
             )

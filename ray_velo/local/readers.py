@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ray_velo import nonblocking
 from ray_velo.core import AgentCore
 from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.local.records import LocalLease, lease_of
@@ -41,11 +42,21 @@ class ReaderService:
         core = self.core
         core.commits.wait(handle)
         with core.changing() as fx:
+            if nonblocking.active() and self._in_region(handle):
+                nonblocking.check(f"copying {handle} out of its region")
             slot, lease = core.state.local_acquire(handle, pid, mode, core.clock())
             fx.poke = True  # a holder to watch
             if not isinstance(slot.location, RegionSlot) or slot.total_len == 0:
                 return lease_of(core.worker_id, core.node_id, slot, lease.lease_id)
         return self._copy_of_region(handle, slot, lease.lease_id, pid, mode)
+
+    def _in_region(self, handle: DataHandle) -> bool:
+        # core.lock held. A live slot in a caller's region with bytes to copy.
+        store = self.core.state.store
+        if not store.is_live(handle):
+            return False  # local_acquire says why
+        slot = store.slot(handle)
+        return isinstance(slot.location, RegionSlot) and slot.total_len > 0
 
     def _copy_of_region(
         self, handle: DataHandle, slot: Slot, lease_id: int, pid: int, mode: ReadMode

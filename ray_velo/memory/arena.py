@@ -39,6 +39,7 @@ __all__ = [
     "ShmArena",
     "StaleSegment",
     "page_round_up",
+    "pid_alive",
     "remove_stale_segments",
     "segment_name",
 ]
@@ -407,7 +408,8 @@ class SegmentMap:
             _release_mapping(buffer)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process always does)."""
     if pid == os.getpid():
         return True
     try:
@@ -449,7 +451,7 @@ def remove_stale_segments(directory: str | os.PathLike[str]) -> list[StaleSegmen
             continue
         pid = int(match.group(1))
         if pid not in alive:
-            alive[pid] = _pid_alive(pid)
+            alive[pid] = pid_alive(pid)
         if alive[pid]:
             continue
         try:

@@ -15,6 +15,7 @@ import os
 import threading
 from typing import Any
 
+from ray_velo import nonblocking
 from ray_velo.config import RdmaPoolConfig, VeloConfig
 from ray_velo.errors import SharedMemoryTooSmall, StagingError
 from ray_velo.memory.arena import remove_stale_segments
@@ -108,18 +109,20 @@ class NodeMemory:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
             StagingError: plain memory failed for another reason.
         """
+        fallback = ""  # why pinned bytes went to plain memory
         if pinned:
             if not rdma_enabled:
-                if record:
-                    self.metrics.path("chunked", "kill_switch")
+                fallback = "kill_switch"
             elif self.pinned_pool is not None:
-                got = self.pinned_pool.allocate(nbytes, now)
+                got = self._take(self.pinned_pool, nbytes, now)
                 self._count_registrations()
                 if isinstance(got, Placement):
                     return got, "dedicated" if got.dedicated else "pooled", True
-                if record:
-                    self.metrics.path("chunked", got.reason)
-        return self._plain(nbytes, now), "plain", False
+                fallback = got.reason
+        placement = self._plain(nbytes, now)
+        if fallback and record:  # counted once placed: a WouldBlock runs this again
+            self.metrics.path("chunked", fallback)
+        return placement, "plain", False
 
     def allocate_mapped(
         self, nbytes: int, now: float, *, rdma_enabled: bool
@@ -165,8 +168,19 @@ class NodeMemory:
                 pool.free(got, now)
         self._count_registrations()
 
+    @staticmethod
+    def _take(pool: ArenaPool, nbytes: int, now: float) -> Placement | Fallback:
+        """``pool.allocate``; on the agent's event loop only from mapped arenas (a mapping
+        may take long): raises WouldBlock where it would map one."""
+        if not nonblocking.active():
+            return pool.allocate(nbytes, now)
+        got = pool.allocate(nbytes, now, may_map=False)
+        if isinstance(got, Fallback):
+            nonblocking.check(f"mapping an arena for {nbytes} bytes")
+        return got
+
     def _plain(self, nbytes: int, now: float) -> Placement:
-        got = self.plain_pool.allocate(nbytes, now)
+        got = self._take(self.plain_pool, nbytes, now)
         if isinstance(got, Fallback):
             if isinstance(got.error, SharedMemoryTooSmall):
                 raise got.error

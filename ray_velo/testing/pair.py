@@ -95,6 +95,12 @@ class InProcessPeers:
             raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
         return self.owner_link
 
+    def cached(self, handle: DataHandle) -> OwnerLink | None:
+        try:
+            return self.link(handle)
+        except HandleNotFound:
+            return None
+
     def forget(self, link: Any) -> bool:
         return False
 
