@@ -155,7 +155,9 @@ class _RendezvousActor:
     async def _channel_call(self, method: str, args: tuple[Any, ...]) -> Any:
         if method == "fetch_remote":
             return await self.fetch_remote(*args)
-        return await self.quick(getattr(self.agent, method), *args)
+        if method in _QUICK_METHODS:
+            return await self.quick(getattr(self.agent, method), *args)
+        return await self.blocking(getattr(self.agent, method), *args)
 
     async def info(self) -> dict[str, Any]:
         """The agent's identity and counters, and the path of its socket ("": none)."""

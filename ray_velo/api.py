@@ -253,7 +253,7 @@ def get(handle: DataHandle, *, timeout: float | None = None) -> tuple[memoryview
         data = bytes(session.view_of(local)) if local.total_len else b""
     finally:
         if local.handle != handle:
-            session.end_lease(session.current().agent, local.handle, local.lease_id)
+            session.end_lease(session.current(), local.handle, local.lease_id)
     return memoryview(data), lease_id
 
 
@@ -289,7 +289,7 @@ def get_pinned(handle: DataHandle, *, timeout: float | None = None) -> tuple[Pin
     if local.total_len == 0:
         array = np.empty(0, dtype=np.uint8)
         if own_copy:
-            session.end_lease(session.current().agent, local.handle, local.lease_id)
+            session.end_lease(session.current(), local.handle, local.lease_id)
     elif own_copy:
         array = session.leased_array(local)
     else:
@@ -310,9 +310,8 @@ class PinnedWriter:
         self._reservation = reservation
         self.array = np.frombuffer(view, dtype=np.uint8)
         self.nbytes = reservation.nbytes
-        agent = session.current().agent
         self._finalizer = weakref.finalize(
-            self, agent.stage_abort.remote, reservation.reservation_id
+            self, session.current().notify, "stage_abort", reservation.reservation_id
         )
         self._finalizer.atexit = False
 
@@ -368,7 +367,7 @@ def get_into(handle: DataHandle, dest: Any, *, timeout: float | None = None) -> 
             session.copy_into(target[: local.total_len], source)
     finally:
         if local.handle != handle:
-            session.end_lease(state.agent, local.handle, local.lease_id)
+            session.end_lease(state, local.handle, local.lease_id)
     return lease_id
 
 

@@ -85,6 +85,16 @@ class Session:
             forget()
             raise
 
+    def notify(self, method: str, *args: Any) -> None:
+        """Run the agent's ``method(*args)`` without waiting (a commit, a lease end): over
+        its socket when it has one, else as a Ray call. Never raises: nobody is there to
+        tell, and the agent reaps what a lost notice leaves (dead readers' leases,
+        uncommitted reservations of dead producers)."""
+        if self.channel is not None and self.channel.notify(method, args):
+            return
+        with contextlib.suppress(Exception):
+            getattr(self.agent, method).remote(*args)
+
 
 _lock = threading.Lock()
 _session: Session | None = None
@@ -254,11 +264,12 @@ def _stage(
             dest = segment_view(session, reservation.path, reservation.offset, nbytes)
             copy_into(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
             del dest
-        session.agent.stage_commit.remote(
-            reservation.reservation_id, nbytes, header, ttl, consumers, follow_producer
-        )
+        session.notify(
+            "stage_commit",
+            reservation.reservation_id, nbytes, header, ttl, consumers, follow_producer,
+        )  # fmt: skip
     except BaseException:
-        session.agent.stage_abort.remote(reservation.reservation_id)
+        session.notify("stage_abort", reservation.reservation_id)
         raise
     return reservation.handle
 
@@ -331,11 +342,10 @@ class _LeasedBytes:
         }
 
 
-def end_lease(agent: Any, handle: DataHandle, lease_id: int, release: bool = False) -> None:
+def end_lease(session: Session, handle: DataHandle, lease_id: int, release: bool = False) -> None:
     """End a local lease without waiting. Interpreter or Ray shutting down: the agent reaps
     the leases of dead readers."""
-    with contextlib.suppress(Exception):
-        agent.local_end.remote(handle, lease_id, release)
+    session.notify("local_end", handle, lease_id, release)
 
 
 def segment_view(session: Session, path: str, offset: int, nbytes: int) -> memoryview:
@@ -355,7 +365,7 @@ def leased_array(local: LocalLease) -> np.ndarray[Any, Any]:
     """A read-only uint8 array over the leased bytes; the lease ends when it is collected."""
     session = current()
     exporter = _LeasedBytes(view_of(local))
-    finalizer = weakref.finalize(exporter, end_lease, session.agent, local.handle, local.lease_id)
+    finalizer = weakref.finalize(exporter, end_lease, session, local.handle, local.lease_id)
     finalizer.atexit = False
     return np.asarray(exporter)
 
@@ -369,18 +379,18 @@ def read(local: LocalLease) -> Any:
             data: Any = b"" if local.total_len == 0 else view_of(local)
             return from_bytes_view(header, data, copy=header.kind == "torch")
         finally:
-            end_lease(current().agent, local.handle, local.lease_id)
+            end_lease(current(), local.handle, local.lease_id)
     return from_bytes_view(header, leased_array(local))
 
 
 def claim_end(handle: DataHandle, consume: bool) -> None:
     """This process is done with its claim on ``handle`` (a transparent resolution):
     ``consume`` it, or give it back for a retry. Not waited for."""
-    with contextlib.suppress(Exception):
-        current().agent.claim_end.remote(handle, consume, os.getpid())
+    with contextlib.suppress(Exception):  # current() itself may fail at interpreter exit
+        current().notify("claim_end", handle, consume, os.getpid())
 
 
 def release_soon(handle: DataHandle) -> None:
     """Drop one reference on ``handle`` without waiting for the owner's answer (an error
     here would have nobody to tell)."""
-    current().agent.release_quietly.remote(handle)
+    current().notify("release_quietly", handle)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import pickle
 import re
@@ -36,6 +37,7 @@ from ray_velo.memory.arena import pid_alive
 __all__ = [
     "CHANNEL_METHODS",
     "DISABLE_ENV",
+    "NOTICE_METHODS",
     "AgentChannel",
     "ChannelServer",
     "remove_stale_sockets",
@@ -44,10 +46,21 @@ __all__ = [
 
 #: The agent calls that travel over the socket: the ones a producer or reader waits for.
 CHANNEL_METHODS = frozenset({"stage_reserve", "local_acquire", "fetch_remote"})
+#: The calls nobody waits for, sent over the socket too: a Ray call's submission costs the
+#: sender about as much as a socket round trip, and a commit is on the producer's path.
+NOTICE_METHODS = frozenset(
+    {"stage_commit", "stage_abort", "local_end", "claim_end", "release_quietly"}
+)
+#: Notices that are short changes of the agent's state: run in order with the calls of
+#: their connection (a put's commit lands before the same thread's next fetch of it). The
+#: others (they may wait on a peer) run beside them.
+_ORDERED_NOTICES = frozenset({"stage_commit", "stage_abort", "local_end"})
 #: Set to 1 in an agent's environment to serve no socket (every call is a Ray call).
 DISABLE_ENV = "VELO_LOCAL_SOCKET_DISABLE"
+_log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # a sane bound on one message (they are a few hundred bytes)
+_NOTICE_SEND_S = 5.0  # bound on sending a notice (a few hundred bytes to a live agent)
 _PATH_MAX = 100  # sun_path holds 108 bytes on Linux
 _SOCKET_RE = re.compile(r"^ray_velo_agent-(\d+)-[0-9a-f]{16}\.sock$")
 
@@ -90,6 +103,7 @@ class ChannelServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._busy: set[asyncio.StreamWriter] = set()  # a call in progress
+        self._notices: set[asyncio.Future[Any]] = set()
         self.calls = 0  # answered, for ray-velo status and the tests
 
     async def start(self) -> None:
@@ -108,7 +122,12 @@ class ChannelServer:
                 (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
                 if length > _MAX_FRAME:
                     return
-                method, args = pickle.loads(await reader.readexactly(length))
+                method, args, reply = pickle.loads(await reader.readexactly(length))
+                if not reply:  # a notice: its outcome is not sent
+                    task = self._notice(method, args)
+                    if task is not None and method in _ORDERED_NOTICES:
+                        await asyncio.wait([task])
+                    continue
                 self._busy.add(writer)
                 try:
                     answer = await self._answer(method, args)
@@ -124,6 +143,22 @@ class ChannelServer:
         finally:
             self._connections.discard(writer)
             writer.close()
+
+    def _notice(self, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any] | None:
+        if method not in NOTICE_METHODS:
+            _log.warning("ray_velo: %r is not a notice; dropped", method)
+            return None
+        task = asyncio.ensure_future(self._dispatch(method, args))
+        self._notices.add(task)
+        task.add_done_callback(self._notice_done)
+        return task
+
+    def _notice_done(self, task: asyncio.Future[Any]) -> None:
+        self._notices.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # nobody waits for a notice: what it met (a lease already reaped...) is logged
+            _log.debug("ray_velo: a notice failed: %r", task.exception())
+        self.calls += 1
 
     async def _answer(self, method: str, args: tuple[Any, ...]) -> bytes:
         try:
@@ -172,9 +207,10 @@ class AgentChannel:
             what ``on_timeout()`` builds: no answer within ``timeout_s`` seconds.
         """
         sock = self._socket()
+        self._local.busy = True
         try:
             sock.settimeout(timeout_s)
-            sock.sendall(_frame((method, args)))
+            sock.sendall(_frame((method, args, True)))
             (length,) = _HEADER.unpack(_receive(sock, _HEADER.size))
             ok, value = pickle.loads(_receive(sock, length))
         except TimeoutError:
@@ -183,12 +219,35 @@ class AgentChannel:
         except (OSError, EOFError) as exc:
             self._drop(sock)
             raise AgentDied() from exc
+        finally:
+            self._local.busy = False
         if not ok:
             try:
                 raise value
             finally:
                 value = None  # no cycle through this frame keeps the caller's frames alive
         return value
+
+    def notify(self, method: str, args: tuple[Any, ...]) -> bool:
+        """Send ``method(*args)`` without waiting (:data:`NOTICE_METHODS`). False when it
+        could not be sent here (the agent is gone, or this thread is inside a call on its
+        connection: a finalizer run by the garbage collector mid-call); the caller then
+        sends it as a Ray call. Never raises."""
+        if getattr(self._local, "busy", False):
+            return False
+        self._local.busy = True
+        try:
+            sock = self._socket()
+            sock.settimeout(_NOTICE_SEND_S)
+            sock.sendall(_frame((method, args, False)))
+            return True
+        except Exception:  # AgentDied, OSError: the Ray call says the rest
+            broken: socket.socket | None = getattr(self._local, "sock", None)
+            if broken is not None:
+                self._drop(broken)
+            return False
+        finally:
+            self._local.busy = False
 
     def _socket(self) -> socket.socket:
         if os.getpid() != self._pid:  # a forked child: its parent's connections are not its own

@@ -49,9 +49,13 @@ class LoopThread:
         self.loop.close()
 
 
+NOTICED: list[tuple[str, Any]] = []
+
+
 async def dispatch(method: str, args: tuple[Any, ...]) -> Any:
     """What the agent's dispatch would do, for scenarios: echo, fail or stall."""
     (what,) = args
+    NOTICED.append((method, what))
     if what == "missing":
         raise HandleNotFound(handle="h", reason="released by its last consumer")
     if what == "unpicklable":
@@ -85,6 +89,34 @@ def test_a_call_comes_back_with_the_agents_answer(served: Any) -> None:
     assert channel.call("fetch_remote", ("x",), None, never) == ("fetch_remote", "x")
     mode = stat.S_IMODE(os.stat(server.path).st_mode)
     assert mode == 0o600, oct(mode)
+
+
+def test_a_notice_reaches_the_agent_without_an_answer(served: Any) -> None:
+    """A commit is sent and not waited for; the next call on the same connection reads its
+    own answer (no answer of the notice's is in the way), and the notice ran first."""
+    _, _, channel = served
+    NOTICED.clear()
+    assert channel.notify("stage_commit", ("c1",))
+    assert channel.notify("stage_commit", ("missing",))  # its error goes nowhere
+    assert channel.call("local_acquire", ("after",), 5.0, never) == ("local_acquire", "after")
+    assert NOTICED[:3] == [("stage_commit", "c1"), ("stage_commit", "missing"),
+                           ("local_acquire", "after")]  # fmt: skip
+    NOTICED.clear()
+    assert channel.notify("shutdown", ("x",))  # not a notice: the agent drops it
+    assert channel.call("local_acquire", (2,), 5.0, never) == ("local_acquire", 2)
+    assert NOTICED == [("local_acquire", 2)]
+
+
+def test_a_notice_inside_a_call_on_the_same_thread_is_not_sent_here(served: Any) -> None:
+    """A finalizer the garbage collector runs in the middle of a call must not write into
+    that call's connection: notify says no, and the caller sends a Ray call instead."""
+    _, _, channel = served
+    channel._local.busy = True
+    try:
+        assert not channel.notify("local_end", (1,))
+    finally:
+        channel._local.busy = False
+    assert channel.notify("local_end", (1,))
 
 
 def test_the_agents_errors_come_back_as_themselves(served: Any) -> None:
@@ -124,6 +156,7 @@ def test_a_gone_agent_reads_as_agent_died(served: Any, tmp_path: Path) -> None:
     loop, server, channel = served
     assert channel.call("stage_reserve", (1,), 5.0, never)
     loop.run(server.close(StagingError("closed")))
+    assert not channel.notify("stage_commit", (1,))
     with pytest.raises(AgentDied):
         channel.call("stage_reserve", (1,), 5.0, never)
     with pytest.raises(AgentDied):  # and again: no socket file at all now
