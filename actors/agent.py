@@ -478,6 +478,7 @@ class RendezvousAgent:
         if core.rdma is not None:  # after every unmap: endpoints and worker go last
             core.rdma.close()
             core.rdma = None
+        self.consumer.driver.renewals.close()  # no GET runs after UCX closed
         return report
 
     def _demote(self) -> int:

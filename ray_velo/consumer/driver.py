@@ -9,9 +9,12 @@ only as the machine says: back to its pool, into the quarantine, or into a local
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +51,7 @@ from ray_velo.consumer.fetch import (
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.core import AgentCore
-from ray_velo.errors import DescriptorError, UcxError
+from ray_velo.errors import DescriptorError, StagingError, UcxError
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.protocol import (
     AcquireRequest,
@@ -61,7 +64,7 @@ from ray_velo.protocol import (
     encode,
 )
 
-__all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewal"]
+__all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,32 +72,77 @@ _log = logging.getLogger(__name__)
 RENEW_FLOOR_S = 0.005
 
 
-class LeaseRenewal:
-    """Renews an RDMA lease every lease_timeout / 2 (at least 5 ms) while a GET runs.
+class LeaseRenewals:
+    """Renews the RDMA leases of the GETs in flight, each every lease_timeout / 2 (at least
+    5 ms), on one thread for the whole agent (started on first use, ended by :meth:`close`):
+    a thread per GET cost more than a short GET itself.
 
     Renewals are fire-and-forget: a lost one is harmless, the next is half a deadline away.
-    A lease_timeout_ms of 0 means the owner set no deadline: no thread at all.
+    A lease_timeout_ms of 0 means the owner set no deadline: nothing to renew.
     """
 
-    def __init__(self, link: OwnerLink, handle: DataHandle, lease_id: int, lease_timeout_ms: int):
-        self._stop = threading.Event()
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._due: dict[int, tuple[float, float, OwnerLink, bytes]] = {}  # (due, period, ...)
+        self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @contextlib.contextmanager
+    def renewing(
+        self, link: OwnerLink, handle: DataHandle, lease_id: int, lease_timeout_ms: int
+    ) -> Iterator[None]:
+        """Keep the lease renewed while the body (the GET) runs."""
         if lease_timeout_ms <= 0:
+            yield
             return
         period = max(lease_timeout_ms / 2000, RENEW_FLOOR_S)
         message = encode(LeaseRenewRequest(handle, lease_id))
+        key = next(self._ids)
+        with self._cond:
+            if self._closed:
+                raise StagingError("the agent is shutting down: no new GET")
+            self._due[key] = (time.monotonic() + period, period, link, message)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ray_velo-lease-renewals", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._due.pop(key, None)
 
-        def run() -> None:
-            while not self._stop.wait(period):
-                link.send("_rv_lease_renew", message)
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                sends = []
+                for key, (due, period, link, message) in list(self._due.items()):
+                    if due <= now:
+                        sends.append((link, message))
+                        self._due[key] = (now + period, period, link, message)
+                if sends:
+                    self._cond.release()  # never send under the lock
+                    try:
+                        for link, message in sends:
+                            link.send("_rv_lease_renew", message)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                wait = min((d for d, *_ in self._due.values()), default=now + 60.0) - now
+                self._cond.wait(max(wait, 0.0))
 
-        self._thread = threading.Thread(target=run, name="ray_velo-lease-renewal", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+    def close(self) -> None:
+        """End the thread (the agent shuts down; no GET runs any more)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(5.0)
 
 
 @dataclass(slots=True)
@@ -194,22 +242,28 @@ class _Run:
 
     def _get(self, instruction: Get) -> Event:
         core, answer = self.core, instruction.answer
-        renewal = LeaseRenewal(self.link, self.handle, answer.lease_id, answer.lease_timeout_ms)
+        renewing = self.driver.renewals.renewing(
+            self.link, self.handle, answer.lease_id, answer.lease_timeout_ms
+        )
         started = time.monotonic()
         try:
             remaining = self.deadline.remaining()
             timeout = remaining if remaining is not None else max(60.0, answer.total_len / 50e6)
             if timeout <= 0:
                 return GetExpired(self.deadline.timeout_error(self.handle))
-            stall = core.faults.get("stall_before_get_s", 0.0)
-            if stall:
-                time.sleep(stall)
-            if core.take_fault("fail_gets"):
-                raise UcxError(operation="ucp_get_nbx", status=-3, status_text="injected failure")
-            buffer = self.dest.buffer
-            core.rdma.get(
-                self.link.node, instruction.descriptor, buffer.address, timeout, buffer.registration
-            )
+            with renewing:
+                stall = core.faults.get("stall_before_get_s", 0.0)
+                if stall:
+                    time.sleep(stall)
+                if core.take_fault("fail_gets"):
+                    raise UcxError(
+                        operation="ucp_get_nbx", status=-3, status_text="injected failure"
+                    )
+                buffer = self.dest.buffer
+                core.rdma.get(
+                    self.link.node, instruction.descriptor, buffer.address, timeout,
+                    buffer.registration,
+                )  # fmt: skip
         except UcxError as exc:
             _log.warning(
                 "ray_velo: GET of %s from node %s failed: %s", self.handle, self.link.node, exc
@@ -218,8 +272,6 @@ class _Run:
             if self.deadline.expired():
                 return GetExpired(self.deadline.timeout_error(self.handle), unsafe)
             return GetFailed(unsafe)
-        finally:
-            renewal.stop()
         core.metrics.get_completed(time.monotonic() - started)
         if core.config.rdma.ucx.ep_idle_timeout is not None:
             core.poke()  # arm the idle-endpoint scan
@@ -314,6 +366,7 @@ class FetchDriver:
     def __init__(self, core: AgentCore, peers: Peers) -> None:
         self.core = core
         self.peers = peers
+        self.renewals = LeaseRenewals()
 
     async def run(
         self,
