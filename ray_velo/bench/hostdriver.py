@@ -11,7 +11,7 @@ host b; every column is measured here, in one run, side by side:
 * ``pipe_ray`` / ``pipe_velo``: an actor on a returns the array to a task on b that reads
   it, undecorated and under ``@rv.transfer``, timed from this driver.
 * ``chunked``: ``velo`` again with the kill switch on both agents (the chunked path).
-* ``latency``: for 256 KiB, 1 MiB and 4 MiB, the median time per transfer of ``ray``,
+* ``latency``: for 300 KiB to 4 MiB, the median time per transfer of ``ray``,
   ``velo`` and both pipelines (mid-size payloads cost round trips, not bandwidth).
 
 Progress goes to stderr; the last stdout line is ``RESULT <json>``.
