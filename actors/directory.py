@@ -26,6 +26,7 @@ from ray_velo.local.channel import (
     socket_path,
 )
 from ray_velo.owner.wire import WIRE_DISABLE_ENV, WireServer
+from ray_velo.protocol.frames import WIRE_METHODS
 
 __all__ = [
     "NAMESPACE",
@@ -61,13 +62,8 @@ _QUICK_METHODS = (
     "stage_abort",
     "local_acquire",
     "local_end",
-    "_rv_metadata",
-    "_rv_acquire",
-    "_rv_ref",
-    "_rv_detach",
-    "_rv_release",
-    "_rv_lease_renew",
     "ucx_address",
+    *WIRE_METHODS,  # the owner's short handlers: every one but _rv_pull
 )
 #: The agent's Ray entry points that run on its threads: they may wait on peers, map or
 #: copy (everything but fetch_remote, which is a coroutine, and the quick ones).
@@ -186,8 +182,12 @@ class _RendezvousActor:
             return await self.blocking(fn, *args)
 
     def _offload(self, work: Any) -> None:
-        # A quick call's slow effect (unmapping): on a thread, not waited for.
-        self._threads.submit(_logged, work)
+        # A quick call's slow effect (unmapping): on a thread, not waited for; here once
+        # the threads are gone (after shutdown no transfer is left to keep waiting).
+        try:
+            self._threads.submit(_logged, work)
+        except RuntimeError:
+            _logged(work)
 
     async def ping(self) -> int:
         await self._serving()

@@ -75,8 +75,7 @@ def _bench(args: argparse.Namespace) -> int:
         config = config.replace(chunk_size=int(args.chunk_mib * MiB))
     if args.in_flight:
         config = config.replace(pulls_in_flight=args.in_flight)
-    from ray_velo.bench.actors import format_latency
-    from ray_velo.bench.samehost import LATENCY_REPS
+    from ray_velo.bench.actors import LATENCY_REPS, format_latency
 
     latency: dict[int, dict[str, float | None]] = {}
     rows = run_bench(

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "LATENCY_REPS",
     "LATENCY_SIZES",
     "bench_actors",
     "format_latency",
@@ -191,6 +192,8 @@ def pipelines(
 #: From just above the decorator's 256 KiB threshold (a payload must be above it to be staged)
 #: to 4 MiB: where the default threshold is decided (docs/transfer.md, "Why 256 KiB").
 LATENCY_SIZES = (300 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20)
+#: Rounds per size (medians): a round is ~50 ms here, and 12 left ratios near 1.0 to noise.
+LATENCY_REPS = 30
 
 
 def measure_latency(

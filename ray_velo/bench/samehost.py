@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ray_velo.bench.actors import (
+    LATENCY_REPS,
     bench_actors,
     measure_latency,
     medians,
@@ -40,7 +41,6 @@ from ray_velo.bench.actors import (
 )
 
 MiB = 1 << 20
-LATENCY_REPS = 12
 
 __all__ = ["BenchRow", "demo", "run_bench", "ucx_raw_get"]
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_velo.bench.actors import format_latency, transport_text
-from ray_velo.bench.hostdriver import LATENCY_REPS, RESULT_PREFIX
+from ray_velo.bench.actors import LATENCY_REPS, format_latency, transport_text
+from ray_velo.bench.hostdriver import RESULT_PREFIX
 from ray_velo.errors import TestbedError
 
 __all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]
