@@ -5,7 +5,9 @@ A fetch from another node runs a :class:`~ray_velo.consumer.fetch.FetchMachine` 
 :class:`~ray_velo.consumer.driver.FetchDriver`. A node-local copy of the same payload serves a
 second fetch on this node without moving bytes, but only once the owner said so: the handle
 may have ended there (released, TTL), and a consuming fetch claims its reference there, so
-``consumers=N`` stays exact whichever node reads.
+``consumers=N`` stays exact whichever node reads. Fetches of one handle that overlap share
+one transfer (single flight): the later ones wait for the first and read its copy, so the
+bytes cross the link once however many tasks of the node take them at once.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class ConsumerService:
         self.peers = peers
         self.owner = owner
         self.driver = FetchDriver(core, peers)
+        #: Transfers in flight by handle (on the event loop): a second fetch of one waits
+        #: for it and reads its node-local copy, so the bytes cross the link once.
+        self._flights: dict[DataHandle, asyncio.Future[None]] = {}
         self._inflight = 0
         self._inflight_cond = threading.Condition(threading.Lock())
 
@@ -106,10 +111,38 @@ class ConsumerService:
         self, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int, blocking: Blocking
     ) -> LocalLease:
         link = await self._link(handle, blocking)
-        if mode != "hold":
+        if mode == "hold":  # the get family keeps the owner's lease: always its own transfer
+            return await self._transfer(link, handle, mode, deadline, pid, blocking)
+        while True:
             cached = await self._from_copy(link, handle, mode, deadline, pid)
             if cached is not None:
                 return cached
+            flight = self._flights.get(handle)
+            if flight is None or flight.get_loop() is not asyncio.get_running_loop():
+                break
+            # Single flight: another fetch on this node is bringing these bytes over; wait for
+            # it, then read its node-local copy (asking the owner first, as for any copy).
+            try:
+                await asyncio.wait_for(asyncio.shield(flight), deadline.remaining())
+            except asyncio.TimeoutError:
+                raise deadline.timeout_error(handle) from None
+        flight = asyncio.get_running_loop().create_future()
+        self._flights[handle] = flight
+        try:
+            return await self._transfer(link, handle, mode, deadline, pid, blocking)
+        finally:
+            del self._flights[handle]
+            flight.set_result(None)  # the waiters look for the copy (or fetch themselves)
+
+    async def _transfer(
+        self,
+        link: OwnerLink,
+        handle: DataHandle,
+        mode: Mode,
+        deadline: Deadline,
+        pid: int,
+        blocking: Blocking,
+    ) -> LocalLease:
         try:
             return await self.driver.run(link, handle, mode, deadline, pid, blocking)
         except OwnerDied:

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 import ray_velo as rv
+from ray_velo.actors.directory import ensure_agent
 from ray_velo.config import MiB
 from ray_velo.local.channel import DISABLE_ENV
 from ray_velo.owner.wire import WIRE_DISABLE_ENV
@@ -101,3 +102,45 @@ def test_an_owner_agent_that_dies_fails_the_wire_as_owner_died(velo: None) -> No
     fresh = rv.put(pattern(MiB, 3))
     assert ray.get(crc_on_b.remote(fresh)) == zlib.crc32(pattern(MiB, 3))
     assert node_ids()["node_a"]
+
+
+@ray.remote(**ON_B)
+class Reader:
+    def ready(self) -> bool:
+        return True
+
+    def crc(self, handle: rv.DataHandle) -> int:
+        return zlib.crc32(np.ascontiguousarray(rv.fetch(handle)))
+
+
+def fetches_on(node: str) -> dict[str, int]:
+    return dict(agent_info(node)["metrics"]["velo_fetches_total"])
+
+
+def test_three_tasks_taking_one_payload_at_once_move_its_bytes_once(velo: None) -> None:
+    """One 32 MiB payload for three consumers (consumers=3), three actors on node b fetching
+    it at the same moment: one GET crosses to node b (held back 1 s, so the three overlap),
+    the other two read its node-local copy; every actor gets the right bytes, and the
+    handle is gone after the third."""
+    agent_b = ensure_agent(node_ids()["node_b"])
+    readers = [Reader.remote() for _ in range(3)]
+    ray.get([r.ready.remote() for r in readers])  # their processes are up before the fetch
+    payload = pattern(32 * MiB, 5)
+    handle = rv.put(payload)
+    rv.ref_handle(handle)
+    rv.ref_handle(handle)  # three references: consumers=3
+    before = fetches_on("node_b")
+    ray.get(agent_b.inject_fault.remote("stall_before_get_s", 1.0))
+    try:
+        crcs = ray.get([r.crc.remote(handle) for r in readers], timeout=120)
+    finally:
+        ray.get(agent_b.inject_fault.remote("stall_before_get_s", 0.0))
+    assert crcs == [zlib.crc32(payload)] * 3
+    after = fetches_on("node_b")
+    moved = {path: after.get(path, 0) - before.get(path, 0) for path in after}
+    assert moved.get("rdma", 0) + moved.get("chunked", 0) == 1, moved
+    assert moved.get("cache", 0) == 2, moved
+    with pytest.raises(rv.HandleNotFound):
+        rv.metadata(handle)
+    for reader in readers:
+        ray.kill(reader)

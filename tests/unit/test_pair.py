@@ -4,10 +4,12 @@ No Ray, no UCX; every scenario ends with both owner states valid and nothing lef
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -478,3 +480,59 @@ def test_without_warm_up_transparent_staging_never_maps(tmp_path: Path) -> None:
         assert pair.fetch(explicit) == payload(MiB, 5)
         assert pair.fetch(transparent) == payload(MiB, 6)
         nothing_left(pair)
+
+
+def concurrent_leases(pair: AgentPair, handle: Any, count: int, mode: str = "release") -> list[Any]:
+    """``count`` fetches of ``handle`` on the consumer at once, on one event loop (as the
+    agent's): each blocking step yields first, so the fetches overlap."""
+
+    async def yielding(fn: Any, *args: Any) -> Any:
+        await asyncio.sleep(0)
+        return fn(*args)
+
+    async def all_at_once() -> list[Any]:
+        service = pair.consumer.consumer
+        return await asyncio.gather(
+            *(
+                service.fetch_async(handle, mode, None, pair.pid, "unbounded", yielding)  # type: ignore[arg-type]
+                for _ in range(count)
+            ),
+            return_exceptions=True,
+        )
+
+    return asyncio.run(all_at_once())
+
+
+def test_overlapping_fetches_of_one_handle_share_one_transfer(pair: AgentPair) -> None:
+    """Three tasks of one node take a consumers=3 payload at once: one GET crosses the link,
+    the other two read its node-local copy, each claimed at the owner; a fourth is refused."""
+    data = payload(3 * MiB)
+    handle = pair.put(data, consumers=3)
+    leases = concurrent_leases(pair, handle, 3)
+    assert all(not isinstance(lease, BaseException) for lease in leases), leases
+    assert [pair.read(lease) == data for lease in leases] == [True] * 3
+    fetches = pair.consumer.core.metrics.snapshot()["velo_fetches_total"]
+    assert fetches == {"rdma": 1, "cache": 2}, fetches
+    # the copies' acquires move no bytes (the owner counts them as no_offer decisions)
+    assert pair.owner_paths() == {"rdma/ok": 1, "chunked/no_offer": 2}
+    for lease in leases:
+        pair.end(lease)
+    with pytest.raises(HandleNotFound, match="released by its last consumer"):
+        pair.fetch(handle)
+    nothing_left(pair)
+
+
+def test_overlapping_fetches_beyond_the_references_are_refused(pair: AgentPair) -> None:
+    """consumers=2, three fetches at once: one transfer, one reader of its copy, and the
+    third refused by the owner (HandleReleased), never a read of bytes it has no claim on."""
+    data = payload(2 * MiB)
+    handle = pair.put(data, consumers=2)
+    leases = concurrent_leases(pair, handle, 3)
+    refused = [lease for lease in leases if isinstance(lease, BaseException)]
+    assert len(refused) == 1 and isinstance(refused[0], (HandleReleased, HandleNotFound))
+    for lease in leases:
+        if not isinstance(lease, BaseException):
+            assert pair.read(lease) == data
+            pair.end(lease)
+    assert pair.consumer.core.metrics.snapshot()["velo_fetches_total"].get("rdma") == 1
+    nothing_left(pair)
