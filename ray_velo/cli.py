@@ -6,6 +6,7 @@ ray-velo bench --decorator | --transport [--sizes 256] [--reps 5]
 ray-velo bench --calls [--reps 40]
 ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
 ray-velo bench --two-host --transport [--link 25gbit] [--sizes 256] [--reps 5]
+ray-velo bench --two-host --fan-out 3 [--link 10gbit] [--sizes 256] [--reps 5]
 ray-velo status [--address auto] [--json]
 ray-velo stop [--address auto]
 ray-velo cleanup [--address auto] [--shm-dir DIR]
@@ -47,6 +48,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.two_host:
         return _bench_two_host(args)
+    if args.fan_out:
+        print(
+            "ray-velo bench: --fan-out needs --two-host (readers on another host)", file=sys.stderr
+        )
+        return 2
     if args.decorator:
         size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
         print(run_decorator_bench(size, args.reps))
@@ -110,6 +116,11 @@ def _bench_two_host(args: argparse.Namespace) -> int:
         return 2
     sizes = [int(float(s) * MiB) for s in (args.sizes or "256").split(",")]
     links = [link.strip() for link in args.link.split(",") if link.strip()]
+    if args.fan_out:
+        from ray_velo.bench.twohost import run_two_host_fan_out
+
+        print(run_two_host_fan_out(links, sizes[0], args.fan_out, args.reps))
+        return 0
     if args.transport:
         from ray_velo.bench.twohost import run_two_host_transport
 
@@ -243,6 +254,13 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--transport",
         action="store_true",
         help='tensor_transport="VELO"/"VELO_NUMPY" (and NIXL) vs Ray\'s object store, actor to actor',
+    )
+    bench.add_argument(
+        "--fan-out",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --two-host: one payload to K readers on host b at once, Ray vs ray_velo",
     )
     bench.add_argument(
         "--calls",

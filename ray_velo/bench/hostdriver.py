@@ -159,15 +159,40 @@ def measure_transport(size: int, reps: int) -> dict[str, Any]:
     return result
 
 
+def measure_fan_out_here(size: int, k: int, reps: int) -> dict[str, Any]:
+    """``ray-velo bench --two-host --fan-out K``: one payload to K readers on host b."""
+    import ray_velo as rv
+    from ray_velo.bench.fanout import measure_fan_out
+    from ray_velo.testbed import connect
+
+    info = connect()
+    rv.init()
+    result = measure_fan_out(
+        {info.hosts[0].resource: 1},
+        {info.hosts[1].resource: 1},
+        size,
+        k,
+        reps,
+        tick=lambda text: _say(f"  {text}"),
+    )
+    rv.shutdown()
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ray_velo.bench.hostdriver")
     parser.add_argument("--sizes", required=True, help="payload sizes in bytes, comma separated")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--transport", action="store_true", help="the tensor transports")
+    parser.add_argument("--fan-out", type=int, default=0, help="K readers of one payload")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    transport = args.transport
-    result = measure_transport(sizes[0], args.reps) if transport else measure(sizes, args.reps)
+    if args.fan_out:
+        result = measure_fan_out_here(sizes[0], args.fan_out, args.reps)
+    elif args.transport:
+        result = measure_transport(sizes[0], args.reps)
+    else:
+        result = measure(sizes, args.reps)
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     return 0
 

@@ -136,6 +136,19 @@ def run_two_host_transport(links: Sequence[str], size: int, reps: int = 5) -> st
     return "\n\n".join(out)
 
 
+def run_two_host_fan_out(links: Sequence[str], size: int, k: int, reps: int = 5) -> str:
+    """``--fan-out K``: one payload to K readers on host b, across each link."""
+    from ray_velo.bench.fanout import format_fan_out
+    from ray_velo.testbed import Testbed
+
+    rows = {}
+    for link in links:
+        sys.stderr.write(f"two-host testbed, link {link}: fan-out to {k}\n")
+        with Testbed(hosts=2, link=link, object_store_bytes=max(1 << 30, 4 * size)) as testbed:
+            rows[link] = _drive(testbed, [size], reps, ["--fan-out", str(k)])
+    return format_fan_out(rows, k, size, reps)
+
+
 _COLUMNS = (
     ("ray", "Ray"),
     ("velo", "velo"),
