@@ -36,16 +36,10 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from ray_velo.bench import (
-        default_sizes,
-        format_table,
-        plot,
-        run_bench,
-        run_decorator_bench,
-        shm_free_bytes,
-    )
-
+def _bench_one_kind(args: argparse.Namespace) -> int | None:
+    """The bench modes that measure one thing (``--two-host``, ``--decorator``,
+    ``--calls``, ``--transport``): their exit status, or None for the default bench."""
+    size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
     if args.two_host:
         return _bench_two_host(args)
     if args.fan_out:
@@ -54,7 +48,8 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 2
     if args.decorator:
-        size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
+        from ray_velo.bench import run_decorator_bench
+
         print(run_decorator_bench(size, args.reps))
         return 0
     if args.calls:
@@ -66,10 +61,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.transport:
         from ray_velo.bench.samehost import run_transport_bench
 
-        size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
         print(run_transport_bench(size, args.reps))
         return 0
+    return None
 
+
+def _bench(args: argparse.Namespace) -> int:
+    from ray_velo.bench import default_sizes, format_table, plot, run_bench, shm_free_bytes
+
+    status = _bench_one_kind(args)
+    if status is not None:
+        return status
     if args.sizes:
         sizes = [int(float(s) * MiB) for s in args.sizes.split(",")]
     else:

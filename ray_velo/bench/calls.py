@@ -14,6 +14,7 @@ The calls a producer or consumer waits for (see docs/tuning.md, "The control pla
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import statistics
@@ -61,88 +62,98 @@ def _wire_call(address: str, message: bytes) -> Any:
     return sock, once
 
 
-def _caller_class() -> Any:
+def _own_calls(reps: int) -> dict[str, float]:
+    """This process's calls to its own agent, as Ray calls and over the socket."""
     import ray
 
     import ray_velo as rv
     from ray_velo import session
+
+    s, pid = session.current(), os.getpid()
+    local = rv.put(bytes(CALL_PAYLOAD_BYTES))
+
+    def reserve(over_socket: bool) -> None:
+        args = (CALL_PAYLOAD_BYTES, True, pid)
+        if over_socket:
+            r = s.call("stage_reserve", *args)
+        else:
+            r = ray.get(s.agent.stage_reserve.remote(*args))
+        s.agent.stage_abort.remote(r.reservation_id)
+
+    def acquire(over_socket: bool) -> None:
+        if over_socket:
+            lease = s.call("local_acquire", local, pid, "detach")
+        else:
+            lease = ray.get(s.agent.local_acquire.remote(local, pid, "detach"))
+        s.agent.local_end.remote(lease.handle, lease.lease_id, False)
+
+    out = {"ping": _median_ms(reps, lambda: ray.get(s.agent.ping.remote()))}
+    calls: tuple[tuple[str, Callable[[bool], None]], ...] = (
+        ("stage_reserve", reserve),
+        ("local_acquire", acquire),
+    )
+    for name, one in calls:
+        out[f"{name}/ray"] = _median_ms(reps, functools.partial(one, False))
+        out[f"{name}/socket"] = _median_ms(reps, functools.partial(one, True))
+    session.release_soon(local)
+    return out
+
+
+def _remote_calls(handles: list[Any], owner: Any, wire: str, reps: int) -> dict[str, float]:
+    """This process's fetches of another node's payloads (Ray call vs socket), and one
+    owner handler (Ray call vs the owner's TCP wire)."""
+    import ray
+
+    from ray_velo import session
     from ray_velo.protocol import MetadataRequest, encode
 
-    class Caller:
-        """Runs on one node; measures its calls to its own agent and to a peer owner."""
+    s, pid = session.current(), os.getpid()
+    spare = iter(handles)
 
-        def ready(self) -> bool:
-            return True
+    def fetch(over_socket: bool) -> None:
+        args = (next(spare), "release", None, pid, "unbounded")
+        if over_socket:
+            lease = s.call("fetch_remote", *args)
+        else:
+            lease = ray.get(s.agent.fetch_remote.remote(*args))
+        s.agent.local_end.remote(lease.handle, lease.lease_id, False)
 
-        def put_many(self, count: int) -> list[rv.DataHandle]:
-            payload = bytes(CALL_PAYLOAD_BYTES)
-            return [rv.put(payload) for _ in range(count)]
+    message = encode(MetadataRequest(handles[-1]))
+    out = {
+        "fetch_remote/ray": _median_ms(reps, lambda: fetch(False)),
+        "fetch_remote/socket": _median_ms(reps, lambda: fetch(True)),
+        "owner handler/ray": _median_ms(reps, lambda: ray.get(owner._rv_metadata.remote(message))),
+    }
+    if wire:
+        sock, once = _wire_call(wire, message)
+        try:
+            out["owner handler/wire"] = _median_ms(reps, once)
+        finally:
+            sock.close()
+    for handle in handles[2 * reps + 2 :]:
+        session.release_soon(handle)
+    return out
 
-        def own_calls(self, reps: int) -> dict[str, float]:
-            s, pid = session.current(), os.getpid()
-            local = rv.put(bytes(CALL_PAYLOAD_BYTES))
 
-            def reserve_ray() -> None:
-                r = ray.get(s.agent.stage_reserve.remote(CALL_PAYLOAD_BYTES, True, pid))
-                s.agent.stage_abort.remote(r.reservation_id)
+class _Caller:
+    """Runs on one node; measures its calls to its own agent and to a peer owner."""
 
-            def reserve_socket() -> None:
-                r = s.call("stage_reserve", CALL_PAYLOAD_BYTES, True, pid)
-                s.agent.stage_abort.remote(r.reservation_id)
+    def ready(self) -> bool:
+        return True
 
-            def acquire_ray() -> None:
-                lease = ray.get(s.agent.local_acquire.remote(local, pid, "detach"))
-                s.agent.local_end.remote(lease.handle, lease.lease_id, False)
+    def put_many(self, count: int) -> list[Any]:
+        import ray_velo as rv
 
-            def acquire_socket() -> None:
-                lease = s.call("local_acquire", local, pid, "detach")
-                s.agent.local_end.remote(lease.handle, lease.lease_id, False)
+        payload = bytes(CALL_PAYLOAD_BYTES)
+        return [rv.put(payload) for _ in range(count)]
 
-            out = {
-                "ping": _median_ms(reps, lambda: ray.get(s.agent.ping.remote())),
-                "stage_reserve/ray": _median_ms(reps, reserve_ray),
-                "stage_reserve/socket": _median_ms(reps, reserve_socket),
-                "local_acquire/ray": _median_ms(reps, acquire_ray),
-                "local_acquire/socket": _median_ms(reps, acquire_socket),
-            }
-            session.release_soon(local)
-            return out
+    def own_calls(self, reps: int) -> dict[str, float]:
+        return _own_calls(reps)
 
-        def remote_calls(
-            self, handles: list[rv.DataHandle], owner: Any, wire: str, reps: int
-        ) -> dict[str, float]:
-            s, pid = session.current(), os.getpid()
-            spare = iter(handles)
-
-            def fetch_ray() -> None:
-                lease = ray.get(
-                    s.agent.fetch_remote.remote(next(spare), "release", None, pid, "unbounded")
-                )
-                s.agent.local_end.remote(lease.handle, lease.lease_id, False)
-
-            def fetch_socket() -> None:
-                lease = s.call("fetch_remote", next(spare), "release", None, pid, "unbounded")
-                s.agent.local_end.remote(lease.handle, lease.lease_id, False)
-
-            message = encode(MetadataRequest(handles[-1]))
-            out = {
-                "fetch_remote/ray": _median_ms(reps, fetch_ray),
-                "fetch_remote/socket": _median_ms(reps, fetch_socket),
-                "owner handler/ray": _median_ms(
-                    reps, lambda: ray.get(owner._rv_metadata.remote(message))
-                ),
-            }
-            if wire:
-                sock, once = _wire_call(wire, message)
-                try:
-                    out["owner handler/wire"] = _median_ms(reps, once)
-                finally:
-                    sock.close()
-            for handle in handles[2 * reps + 2 :]:
-                session.release_soon(handle)
-            return out
-
-    return Caller
+    def remote_calls(
+        self, handles: list[Any], owner: Any, wire: str, reps: int
+    ) -> dict[str, float]:
+        return _remote_calls(handles, owner, wire, reps)
 
 
 def run_calls_bench(reps: int = 40) -> dict[str, float]:
@@ -162,9 +173,9 @@ def run_calls_bench(reps: int = 40) -> dict[str, float]:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         rv.init()
-        caller = _caller_class()
-        on_a = ray.remote(num_cpus=0, resources={"node_a": 1})(caller).remote()
-        on_b = ray.remote(num_cpus=0, resources={"node_b": 1})(caller).remote()
+        caller: Any = _Caller  # made an actor class below, on each node
+        on_a: Any = ray.remote(num_cpus=0, resources={"node_a": 1})(caller).remote()
+        on_b: Any = ray.remote(num_cpus=0, resources={"node_b": 1})(caller).remote()
         ray.get([on_a.ready.remote(), on_b.ready.remote()])
         handles = ray.get(on_a.put_many.remote(2 * reps + 3))
         owner = find_agent(handles[0].owner_node)

@@ -26,6 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ray_velo.bench.actors import LATENCY_REPS
+
 MiB = 1 << 20
 RESULT_PREFIX = "RESULT "
 KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
@@ -79,13 +81,7 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
     import ray
 
     import ray_velo as rv
-    from ray_velo.bench.actors import (
-        LATENCY_REPS,
-        bench_actors,
-        measure_latency,
-        medians,
-        transfer_round,
-    )
+    from ray_velo.bench.actors import bench_actors, measure_latency, medians, transfer_round
     from ray_velo.bench.actors import pipelines as bench_pipelines
     from ray_velo.config import VeloConfig
     from ray_velo.testbed import connect
