@@ -122,7 +122,12 @@ class ChannelServer:
                 (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
                 if length > _MAX_FRAME:
                     return
-                method, args, reply = pickle.loads(await reader.readexactly(length))
+                frame = await reader.readexactly(length)
+                try:
+                    method, args, reply = pickle.loads(frame)
+                except Exception:  # not a frame of ours: drop the connection, keep serving
+                    _log.warning("ray_velo: a malformed frame on the agent's socket; closed")
+                    return
                 if not reply:  # a notice: its outcome is not sent
                     task = self._notice(method, args)
                     if task is not None and method in _ORDERED_NOTICES:

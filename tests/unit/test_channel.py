@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -176,6 +178,16 @@ def test_a_call_in_progress_when_the_agent_closes_gets_the_closing_error(served:
         loop.run(server.close(StagingError("the agent on node n1 is shutting down")))
         with pytest.raises(StagingError, match="shutting down"):
             slow.result(10)
+
+
+def test_a_malformed_frame_closes_only_its_connection(served: Any) -> None:
+    _, server, channel = served
+    rogue = socket.socket(socket.AF_UNIX)
+    rogue.connect(server.path)
+    rogue.sendall(struct.pack("!I", 5) + b"junk!")
+    assert rogue.recv(1) == b""  # the agent closed it
+    rogue.close()
+    assert channel.call("stage_reserve", (9,), 5.0, never) == ("stage_reserve", 9)
 
 
 def test_stale_sockets_of_dead_agents_are_removed(tmp_path: Path) -> None:
