@@ -60,6 +60,7 @@ DISABLE_ENV = "VELO_LOCAL_SOCKET_DISABLE"
 _log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # a sane bound on one message (they are a few hundred bytes)
+_CLOSE_WAIT_S = 2.0  # bound on the connections' tasks ending at close
 _NOTICE_SEND_S = 5.0  # bound on sending a notice (a few hundred bytes to a live agent)
 _PATH_MAX = 100  # sun_path holds 108 bytes on Linux
 _SOCKET_RE = re.compile(r"^ray_velo_agent-(\d+)-[0-9a-f]{16}\.sock$")
@@ -104,6 +105,7 @@ class ChannelServer:
         self._connections: set[asyncio.StreamWriter] = set()
         self._busy: set[asyncio.StreamWriter] = set()  # a call in progress
         self._notices: set[asyncio.Future[Any]] = set()
+        self._serving: dict[asyncio.StreamWriter, asyncio.Task[Any]] = {}  # one per connection
         self.calls = 0  # answered, for ray-velo status and the tests
 
     async def start(self) -> None:
@@ -117,6 +119,9 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
+        serving = asyncio.current_task()
+        if serving is not None:
+            self._serving[writer] = serving
         try:
             while True:
                 (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
@@ -147,6 +152,7 @@ class ChannelServer:
             return  # the process closed its end (or died)
         finally:
             self._connections.discard(writer)
+            self._serving.pop(writer, None)
             writer.close()
 
     def _notice(self, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any] | None:
@@ -183,10 +189,15 @@ class ChannelServer:
         if self._server is not None:
             self._server.close()
             self._server = None
+        idle = []
         for writer in list(self._connections):
-            if writer in self._busy:
+            if writer in self._busy:  # its call ends on its own; its answer is not written
                 writer.write(_frame((False, error)))
+            elif writer in self._serving:
+                idle.append(self._serving[writer])
             writer.close()
+        if idle:  # each ends as soon as it sees its connection closed
+            await asyncio.wait(idle, timeout=_CLOSE_WAIT_S)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
