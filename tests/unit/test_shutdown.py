@@ -180,7 +180,11 @@ def test_after_the_gate_nothing_new_is_staged_and_acquires_answer_chunked(pair: 
         owner.owner._rv_acquire(encode(AcquireRequest(handle, rdma=RdmaOffer())))
     )
     assert isinstance(late, Ready)
-    assert owner.info()["metrics"]["velo_rendezvous_rdma_path_total"]["chunked/draining"] == 1
+    # Before step 3 the slot is still registered (check 7 says draining); after it the slot
+    # was demoted to plain memory (check 4 says not_pinned). The shutdown runs on its own
+    # thread, so either may come first: both answer chunked, and exactly one is counted.
+    paths = owner.info()["metrics"]["velo_rendezvous_rdma_path_total"]
+    assert paths.get("chunked/draining", 0) + paths.get("chunked/not_pinned", 0) == 1, paths
     for lease_id in (chunked.lease_id, late.lease_id):
         owner.owner._rv_detach(encode(DetachRequest(handle, lease_id)))
     stopping.join()
