@@ -134,9 +134,11 @@ class AgentCore:
         dedicated arena back may unmap it, and an anchor's release may deregister a region:
         on the event loop those go to a thread (:func:`~ray_velo.nonblocking.defer`)."""
         now = self.clock()
-        slow = [(b, r) for b, r in fx.free if getattr(b, "dedicated", False)]
+        slow = []
         for buffer, registered in fx.free:
-            if not getattr(buffer, "dedicated", False):
+            if getattr(buffer, "dedicated", False):
+                slow.append((buffer, registered))
+            else:
                 self.memory.free(buffer, registered, now)
         if slow or fx.anchors:
             anchors = list(fx.anchors)

@@ -102,10 +102,10 @@ class ChannelServer:
         self.path = path
         self._dispatch = dispatch
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.StreamWriter] = set()
         self._busy: set[asyncio.StreamWriter] = set()  # a call in progress
         self._notices: set[asyncio.Future[Any]] = set()
-        self._serving: dict[asyncio.StreamWriter, asyncio.Task[Any]] = {}  # one per connection
+        #: Each open connection and the task serving it.
+        self._serving: dict[asyncio.StreamWriter, asyncio.Task[Any]] = {}
         self.calls = 0  # answered, for ray-velo status and the tests
 
     async def start(self) -> None:
@@ -118,10 +118,9 @@ class ChannelServer:
             os.umask(old_mask)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(writer)
         serving = asyncio.current_task()
-        if serving is not None:
-            self._serving[writer] = serving
+        assert serving is not None  # asyncio runs each connection as a task
+        self._serving[writer] = serving
         try:
             while True:
                 (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
@@ -151,7 +150,6 @@ class ChannelServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             return  # the process closed its end (or died)
         finally:
-            self._connections.discard(writer)
             self._serving.pop(writer, None)
             writer.close()
 
@@ -190,11 +188,11 @@ class ChannelServer:
             self._server.close()
             self._server = None
         idle = []
-        for writer in list(self._connections):
+        for writer, serving in list(self._serving.items()):
             if writer in self._busy:  # its call ends on its own; its answer is not written
                 writer.write(_frame((False, error)))
-            elif writer in self._serving:
-                idle.append(self._serving[writer])
+            else:
+                idle.append(serving)
             writer.close()
         if idle:  # each ends as soon as it sees its connection closed
             await asyncio.wait(idle, timeout=_CLOSE_WAIT_S)
