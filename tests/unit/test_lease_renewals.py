@@ -4,6 +4,7 @@ and the thread ends with the agent. A link that records sends, real time, no Ray
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -52,12 +53,14 @@ def test_a_long_get_renews_every_half_timeout_and_stops_with_the_get() -> None:
     assert link.count(12) == ended_12 and link.count(11) == ended_11  # none after the GET
     assert ended_12 >= 5 and ended_11 >= ended_12 + 3, link.sent
     times = [at for _, lease, at in link.sent if lease == 11]
-    assert max(b - a for a, b in zip(times, times[1:], strict=False)) < 0.2  # < one timeout
+    assert max(b - a for a, b in itertools.pairwise(times)) < 0.2  # < one timeout
     renewals.close()
     assert not renewal_threads()
-    with pytest.raises(StagingError, match="shutting down"):
-        with renewals.renewing(link, handle, 13, 40):  # type: ignore[arg-type]
-            pass
+    with (
+        pytest.raises(StagingError, match="shutting down"),
+        renewals.renewing(link, handle, 13, 40),  # type: ignore[arg-type]
+    ):
+        pass
 
 
 def test_a_lease_without_deadline_starts_no_thread() -> None:
