@@ -6,7 +6,7 @@ ray-velo bench --decorator | --transport [--sizes 256] [--reps 5]
 ray-velo bench --calls [--reps 40]
 ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
 ray-velo bench --two-host --transport [--link 25gbit] [--sizes 256] [--reps 5]
-ray-velo bench --two-host --fan-out 3 [--link 10gbit] [--sizes 256] [--reps 5]
+ray-velo bench --two-host --fan-out 3 [--hosts 2] [--link 10gbit] [--sizes 256] [--reps 5]
 ray-velo status [--address auto] [--json]
 ray-velo stop [--address auto]
 ray-velo cleanup [--address auto] [--shm-dir DIR]
@@ -36,10 +36,32 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The testbed names its hosts a..z.
+_MAX_HOSTS = 26
+
+
+def _hosts_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--hosts`` cannot be used as given, or None (not given, or fine)."""
+    if args.hosts is None:
+        return None
+    if not (args.two_host and args.fan_out):
+        return "--hosts needs --two-host --fan-out K (the K readers go to hosts b, c, ...)"
+    if not 2 <= args.hosts <= _MAX_HOSTS:
+        return (
+            f"--hosts {args.hosts}: needs 2 to {_MAX_HOSTS} hosts "
+            "(host a for the producer, at least one for the readers)"
+        )
+    return None
+
+
 def _bench_one_kind(args: argparse.Namespace) -> int | None:
     """The bench modes that measure one thing (``--two-host``, ``--decorator``,
     ``--calls``, ``--transport``): their exit status, or None for the default bench."""
     size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
+    refusal = _hosts_refusal(args)
+    if refusal:
+        print(f"ray-velo bench: {refusal}", file=sys.stderr)
+        return 2
     if args.two_host:
         return _bench_two_host(args)
     if args.fan_out:
@@ -121,7 +143,8 @@ def _bench_two_host(args: argparse.Namespace) -> int:
     if args.fan_out:
         from ray_velo.bench.twohost import run_two_host_fan_out
 
-        print(run_two_host_fan_out(links, sizes[0], args.fan_out, args.reps))
+        hosts = args.hosts or 2
+        print(run_two_host_fan_out(links, sizes[0], args.fan_out, args.reps, hosts))
         return 0
     if args.transport:
         from ray_velo.bench.twohost import run_two_host_transport
@@ -262,7 +285,15 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         type=int,
         default=0,
         metavar="K",
-        help="with --two-host: one payload to K readers on host b at once, Ray vs ray_velo",
+        help="with --two-host: one payload from host a to K readers at once (on host b, or "
+        "round-robin over b, c, ... with --hosts), Ray vs ray_velo",
+    )
+    bench.add_argument(
+        "--hosts",
+        type=int,
+        metavar="N",
+        help="with --two-host --fan-out: emulate N hosts (default 2): the producer on a, "
+        "the K readers round-robin over b, c, ...",
     )
     bench.add_argument(
         "--calls",

@@ -1,40 +1,84 @@
-"""``ray-velo bench --two-host --fan-out K``: one payload, K consumers on another host at once.
+"""``ray-velo bench --two-host --fan-out K [--hosts N]``: one payload, K readers at once.
 
-An actor on host a returns an array; K actors on host b take it at the same moment and read
-every page. Ray: the ObjectRef goes to the K readers (Ray pulls the object into host b once).
-ray_velo: the producer is ``@rv.transfer(consumers=K)``, the readers decorated; their fetches
-overlap, so the node's agent moves the bytes once and the others read its copy (single
-flight). Also timed: ray_velo with one reader, the time K readers should come close to.
+An actor on host a returns an array; K actors on the other hosts (b, c, ..., one reader per
+host in turn: :func:`reader_hosts`) take it at the same moment and read every page. Ray: the
+ObjectRef goes to the K readers (Ray pulls the object into each reader node once). ray_velo:
+the producer is ``@rv.transfer(consumers=K)``, the readers decorated; overlapping fetches on
+one node share one transfer and the others read its copy (single flight), and a reader host
+may take the bytes from another reader host's copy instead of host a's (a relay). Also timed:
+ray_velo with one reader on host b, the time K readers should come close to.
 """
 
 from __future__ import annotations
 
 import statistics
+import string
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["format_fan_out", "measure_fan_out"]
+__all__ = ["format_fan_out", "hosts_text", "measure_fan_out", "reader_hosts"]
 
 #: Uncounted rounds first: each staging miss of a new size warms one more arena up (three
 #: left 10-30% of the measured rounds on the two-host testbed missing, six 0-14%).
 _WARM_UP_ROUNDS = 6
+#: The key :func:`_counters` adds beside the fetch paths (rdma, chunked, cache), and the
+#: agent metric it counts: fetches whose bytes came from another consumer node's copy.
+_RELAYED = "relayed"
+_RELAYED_METRIC = "velo_relay_fetches_total"
 
 
-def _fetches(on_b: Mapping[str, float]) -> dict[str, int]:
-    """The fetch counters of host b's agent (by path: rdma, chunked, cache)."""
+def reader_hosts(k: int, hosts: int) -> list[int]:
+    """The testbed host index (1 = b, 2 = c, ...) of each of ``k`` readers: round-robin over
+    every host but a (index 0, the producer's), so ``reader_hosts(3, 3) == [1, 2, 1]``.
+
+    Raises:
+        ValueError: ``hosts`` below 2 (no host for a reader) or ``k`` below 1.
+    """
+    if hosts < 2:
+        raise ValueError(f"hosts={hosts}: a fan-out needs at least 2 (a and a reader host)")
+    if k < 1:
+        raise ValueError(f"k={k}: a fan-out needs at least 1 reader")
+    return [1 + i % (hosts - 1) for i in range(k)]
+
+
+def hosts_text(indices: Sequence[int]) -> str:
+    """``"host b"`` or ``"hosts b, c"``: the distinct hosts of ``indices``, in order."""
+    names = [string.ascii_lowercase[i] for i in sorted(set(indices))]
+    return ("host " if len(names) == 1 else "hosts ") + ", ".join(names)
+
+
+def _counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
+    """The fetch counters (by path: rdma, chunked, cache) and the relayed fetches
+    (``"relayed"``) of every reader host's agent, summed over those hosts."""
     import ray
 
     from ray_velo import session
 
-    @ray.remote(num_cpus=0, resources=dict(on_b))
     def counters() -> dict[str, int]:
-        info = ray.get(session.current().agent.info.remote())
-        return dict(info["metrics"]["velo_fetches_total"])
+        metrics = ray.get(session.current().agent.info.remote())["metrics"]
+        # velo_relay_fetches_total is new in the agent: an agent without it relayed nothing.
+        return {**metrics["velo_fetches_total"], _RELAYED: int(metrics.get(_RELAYED_METRIC, 0))}
 
-    return ray.get(counters.remote())
+    task = ray.remote(num_cpus=0)(counters)
+    total: Counter[str] = Counter()
+    for per_host in ray.get([task.options(resources=dict(on)).remote() for on in on_readers]):
+        total.update(per_host)
+    return total
+
+
+def _per_round(before: Counter[str], after: Counter[str], reps: int) -> dict[str, float]:
+    """Per measured round: transfers over a link (rdma + chunked), of which relayed (from
+    another reader host's copy rather than host a), and node-local copies read."""
+    moved = after - before  # Counter subtraction keeps the positive deltas only
+    return {
+        "transfers": (moved["rdma"] + moved["chunked"]) / reps,
+        "relayed": moved[_RELAYED] / reps,
+        "copies": moved["cache"] / reps,
+    }
 
 
 def _classes() -> tuple[type, type]:
@@ -60,38 +104,49 @@ def _classes() -> tuple[type, type]:
 
 def measure_fan_out(
     on_a: Mapping[str, float],
-    on_b: Mapping[str, float],
+    on_readers: Sequence[Mapping[str, float]],
     size: int,
     k: int,
     reps: int,
     tick: Callable[[str], object] = lambda _: None,
 ) -> dict[str, float]:
     """Median seconds of one round (the producer's call to the last reader's answer) for
-    ``ray`` and ``velo`` with ``k`` readers, and ``velo_one`` with one."""
+    ``ray`` and ``velo`` with ``k`` readers, and ``velo_one`` with one reader on
+    ``on_readers[0]`` (host b); for the ray_velo columns also ``<column>_transfers``,
+    ``_relayed`` and ``_copies`` per round (see :func:`_per_round`).
+
+    ``on_readers`` holds the resources that place a task on each reader host (b, c, ...);
+    the ``k`` readers go round-robin over them (:func:`reader_hosts`).
+    """
     import ray
 
     import ray_velo as rv
 
     producer_cls, reader_cls = _classes()
     a = ray.remote(num_cpus=0, resources=dict(on_a))
-    b = ray.remote(num_cpus=0, resources=dict(on_b))
+    on = [on_readers[i - 1] for i in reader_hosts(k, len(on_readers) + 1)]
+
+    def readers_on(places: Sequence[Mapping[str, float]], velo: bool) -> list[Any]:
+        classes: list[Any] = [ray.remote(num_cpus=0, resources=dict(p))(reader_cls) for p in places]
+        return [rv.transfer(c) for c in classes] if velo else classes
+
     setups = {
-        "ray": (a(producer_cls), b(reader_cls), k),
-        "velo": (rv.transfer(a(producer_cls), consumers=k), rv.transfer(b(reader_cls)), k),
-        "velo_one": (rv.transfer(a(producer_cls)), rv.transfer(b(reader_cls)), 1),
+        "ray": (a(producer_cls), readers_on(on, velo=False)),
+        "velo": (rv.transfer(a(producer_cls), consumers=k), readers_on(on, velo=True)),
+        "velo_one": (rv.transfer(a(producer_cls)), readers_on(on[:1], velo=True)),
     }
     out: dict[str, float] = {}
-    for column, (producer_of, reader_of, count) in setups.items():
+    for column, (producer_of, reader_ofs) in setups.items():
         tick(f"fan-out {k}: {column}")
         producer = producer_of.remote(size)
-        readers = [reader_of.remote() for _ in range(count)]
+        readers = [reader_of.remote() for reader_of in reader_ofs]
         ray.get([producer.ready.remote(), *(r.ready.remote() for r in readers)])
         times = []
         # Uncounted warm-up rounds: transparent staging never maps in a send, so the first
         # rounds of a new size ride inside Ray's call while the agents warm arenas up.
         for rep in range(reps + _WARM_UP_ROUNDS):
             if rep == _WARM_UP_ROUNDS:
-                fetches = _fetches(on_b)
+                before = _counters(on_readers)
             started = time.perf_counter()
             ref = producer.batch.remote()
             ray.get([r.read.remote(ref) for r in readers])
@@ -99,26 +154,31 @@ def measure_fan_out(
                 times.append(time.perf_counter() - started)
             del ref
         out[column] = statistics.median(times)
-        moved = {p: n - fetches.get(p, 0) for p, n in _fetches(on_b).items()}
-        if column != "ray":  # transfers over the link per round, and copies read
-            out[f"{column}_transfers"] = (moved.get("rdma", 0) + moved.get("chunked", 0)) / reps
-            out[f"{column}_copies"] = moved.get("cache", 0) / reps
+        if column != "ray":  # undecorated readers: the agents take no part
+            counts = _per_round(before, _counters(on_readers), reps)
+            out.update({f"{column}_{name}": value for name, value in counts.items()})
         for actor in (producer, *readers):
             ray.kill(getattr(actor, "ray_handle", actor))
     return out
 
 
-def format_fan_out(rows: dict[str, dict[str, float]], k: int, size: int, reps: int) -> str:
-    """One line per link: seconds per round, and ray_velo's speed over Ray's."""
+def format_fan_out(
+    rows: dict[str, dict[str, float]], k: int, size: int, reps: int, hosts: int = 2
+) -> str:
+    """One line per link: seconds per round, and ray_velo's speed over Ray's; under it, what
+    the reader hosts' agents moved per round. ``hosts``: the testbed's, a included."""
+    placed_on = set(reader_hosts(k, hosts))
+    placed = hosts_text(sorted(placed_on))
     head = (
         f"{'link':>8} {'Ray x' + str(k):>9} {'velo x' + str(k):>9} {'velo x1':>9} "
         f"{'velo/Ray speed':>15} {'velo xK / x1':>13}"
     )
     lines = [
-        f"{size >> 20} MiB to {k} readers on host b at once, median of {reps} rounds:",
+        f"{size >> 20} MiB to {k} readers on {placed} at once, median of {reps} rounds:",
         head,
         "-" * len(head),
     ]
+    agents = f"{placed}'s agent" if len(placed_on) == 1 else f"the agents of {placed}"
     for link, row in rows.items():
         lines.append(
             f"{link:>8} {row['ray'] * 1e3:>8.0f}ms {row['velo'] * 1e3:>8.0f}ms "
@@ -126,12 +186,14 @@ def format_fan_out(rows: dict[str, dict[str, float]], k: int, size: int, reps: i
             f"{row['velo'] / row['velo_one']:>12.2f}x"
         )
         lines.append(
-            f"{'':>8} per round, host b's agent moved the bytes over the link "
+            f"{'':>8} per round, {agents} moved the bytes over a link "
             f"{row.get('velo_transfers', 0):.1f} times for {k} readers "
-            f"({row.get('velo_copies', 0):.1f} read its node-local copy)"
+            f"({row.get('velo_relayed', 0):.1f} relayed from another reader host's copy, "
+            f"not host a's; {row.get('velo_copies', 0):.1f} read a node-local copy)"
         )
     lines.append(
         "velo/Ray speed = Ray's time over ray_velo's (above 1.00x: ray_velo is faster); "
-        "velo xK / x1 = K readers' time over one reader's (1.00x: the bytes crossed once)."
+        "velo xK / x1 = K readers' time over one reader's on host b "
+        "(1.00x: K readers cost what one does)."
     )
     return "\n".join(lines)

@@ -14,6 +14,10 @@ host b; every column is measured here, in one run, side by side:
 * ``latency``: for 300 KiB to 4 MiB, the median time per transfer of ``ray``,
   ``velo`` and both pipelines (mid-size payloads cost round trips, not bandwidth).
 
+``--transport`` measures the tensor transports instead, and ``--fan-out K`` one payload from
+host a to K readers spread over every other host of the testbed
+(:mod:`ray_velo.bench.fanout`).
+
 Progress goes to stderr; the last stdout line is ``RESULT <json>``.
 """
 
@@ -156,7 +160,8 @@ def measure_transport(size: int, reps: int) -> dict[str, Any]:
 
 
 def measure_fan_out_here(size: int, k: int, reps: int) -> dict[str, Any]:
-    """``ray-velo bench --two-host --fan-out K``: one payload to K readers on host b."""
+    """``ray-velo bench --two-host --fan-out K [--hosts N]``: one payload from host a to K
+    readers spread round-robin over every other host of the testbed (b, c, ...)."""
     import ray_velo as rv
     from ray_velo.bench.fanout import measure_fan_out
     from ray_velo.testbed import connect
@@ -165,7 +170,7 @@ def measure_fan_out_here(size: int, k: int, reps: int) -> dict[str, Any]:
     rv.init()
     result = measure_fan_out(
         {info.hosts[0].resource: 1},
-        {info.hosts[1].resource: 1},
+        [{host.resource: 1} for host in info.hosts[1:]],
         size,
         k,
         reps,
@@ -180,7 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", required=True, help="payload sizes in bytes, comma separated")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--transport", action="store_true", help="the tensor transports")
-    parser.add_argument("--fan-out", type=int, default=0, help="K readers of one payload")
+    parser.add_argument(
+        "--fan-out", type=int, default=0, help="K readers of one payload, on hosts b, c, ..."
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.fan_out:

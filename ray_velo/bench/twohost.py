@@ -11,6 +11,9 @@ UCX over TCP) is built, and in that one run:
 3. everything the testbed started is ended by pid and the namespaces are removed.
 
 Ratios are what to read: ``velo/ray`` and ``velo/raw`` (raw = the plain socket).
+
+``--transport`` and ``--fan-out K`` (:mod:`ray_velo.bench.fanout`) use the same testbed and
+driver; ``--fan-out`` may ask for more hosts (``--hosts N``: the readers go to b, c, ...).
 """
 
 from __future__ import annotations
@@ -136,17 +139,28 @@ def run_two_host_transport(links: Sequence[str], size: int, reps: int = 5) -> st
     return "\n\n".join(out)
 
 
-def run_two_host_fan_out(links: Sequence[str], size: int, k: int, reps: int = 5) -> str:
-    """``--fan-out K``: one payload to K readers on host b, across each link."""
-    from ray_velo.bench.fanout import format_fan_out
+def run_two_host_fan_out(
+    links: Sequence[str], size: int, k: int, reps: int = 5, hosts: int = 2
+) -> str:
+    """``--fan-out K [--hosts N]``: one payload from host a to K readers spread round-robin
+    over hosts b, c, ... of an ``hosts``-host testbed, across each link (one testbed each).
+
+    Raises:
+        ValueError: ``hosts`` below 2 or above the testbed's 26, or ``k`` below 1.
+        TestbedUnavailable: this machine cannot make network namespaces (not root).
+        TestbedError: a node or the driver failed.
+    """
+    from ray_velo.bench.fanout import format_fan_out, hosts_text, reader_hosts
     from ray_velo.testbed import Testbed
 
+    placed = hosts_text(reader_hosts(k, hosts))
     rows = {}
     for link in links:
-        sys.stderr.write(f"two-host testbed, link {link}: fan-out to {k}\n")
-        with Testbed(hosts=2, link=link, object_store_bytes=max(1 << 30, 4 * size)) as testbed:
+        sys.stderr.write(f"{hosts}-host testbed, link {link}: fan-out to {k} on {placed}\n")
+        store = max(1 << 30, 4 * size)
+        with Testbed(hosts=hosts, link=link, object_store_bytes=store) as testbed:
             rows[link] = _drive(testbed, [size], reps, ["--fan-out", str(k)])
-    return format_fan_out(rows, k, size, reps)
+    return format_fan_out(rows, k, size, reps, hosts)
 
 
 _COLUMNS = (

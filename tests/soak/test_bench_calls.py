@@ -32,3 +32,22 @@ def test_fan_out_needs_two_hosts() -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--two-host" in done.stderr
+
+
+def test_hosts_needs_at_least_two() -> None:
+    """``--hosts 1`` leaves no host for a reader: refused before any testbed is built."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_velo.cli", "bench", "--two-host", "--fan-out", "2",
+         "--hosts", "1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--hosts 1" in done.stderr, done.stderr
+
+
+def test_hosts_needs_fan_out() -> None:
+    """``--hosts`` only places fan-out readers: without ``--fan-out`` it is refused."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_velo.cli", "bench", "--two-host", "--hosts", "3"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--fan-out" in done.stderr, done.stderr
