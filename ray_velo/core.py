@@ -100,6 +100,11 @@ class AgentCore:
     closed: bool = False
     #: Notified after every change (shutdown's drain waits on it).
     changed: threading.Condition = field(init=False)
+    #: Tells other nodes' agents that handles whose copies they hold ended (the agent's
+    #: peers do it; ``ray_velo.testing`` has no other node): [(handle, node, worker)].
+    tell_copy_ends: Callable[[list[tuple[DataHandle, str, int]]], None] = lambda ends: None
+    #: This agent serves its copies to other nodes (it has a TCP wire they can reach).
+    serves_copies: bool = False
 
     def __post_init__(self) -> None:
         self.commits = CommitGate(self.worker_id)
@@ -150,6 +155,9 @@ class AgentCore:
                     anchor.release()
 
             nonblocking.defer(slow_effects)
+        if fx.copy_ends:
+            ends, tell = list(fx.copy_ends), self.tell_copy_ends
+            nonblocking.defer(lambda: tell(ends))
         if fx.poke:
             self.poke()
 

@@ -241,6 +241,7 @@ class AgentMetrics:
         self.live_regions = 0
         self.bytes_moved: Counter[str] = Counter()
         self.fetches: Counter[str] = Counter()
+        self.relay_fetches_total = 0
         self.live_slots = 0
         self.staged_bytes = 0
         self.arenas: dict[str, int] = dict.fromkeys(ARENA_POOLS, 0)
@@ -316,6 +317,11 @@ class AgentMetrics:
                 self._ray.bytes_moved.inc(nbytes, {"path": path})
             self._ray.fetch_duration.observe(seconds, {"path": path})
 
+    def relayed(self) -> None:
+        """Count one fetch whose bytes came (some or all) from another node's copy."""
+        with self._lock:
+            self.relay_fetches_total += 1
+
     def set_slots(self, live_slots: int, staged_bytes: int) -> None:
         """Set the live-slots and staged-bytes gauges."""
         with self._lock:
@@ -360,6 +366,7 @@ class AgentMetrics:
                 "velo_rdma_live_regions": self.live_regions,
                 "velo_bytes_moved_total": dict(self.bytes_moved),
                 "velo_fetches_total": dict(self.fetches),
+                "velo_relay_fetches_total": self.relay_fetches_total,
                 "velo_live_slots": self.live_slots,
                 "velo_staged_bytes": self.staged_bytes,
                 "velo_arenas": dict(self.arenas),
@@ -415,6 +422,7 @@ class _SnapshotFamilies:
     arenas: GaugeMetricFamily
     budget: GaugeMetricFamily
     inline: CounterMetricFamily
+    relayed: CounterMetricFamily
 
     @classmethod
     def create(cls) -> _SnapshotFamilies:
@@ -458,6 +466,11 @@ class _SnapshotFamilies:
             fetches=CounterMetricFamily(
                 "velo_fetches", "Fetches, by path.", labels=("path", "node")
             ),
+            relayed=CounterMetricFamily(
+                "velo_relay_fetches",
+                "Fetches whose bytes came (some or all) from another node's copy.",
+                labels=("node",),
+            ),
             live_slots=GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",)),
             staged_bytes=GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",)),
             arenas=GaugeMetricFamily(
@@ -493,6 +506,7 @@ class _SnapshotFamilies:
             self.arenas.add_metric((pool, node), n)
         self.budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
         self.inline.add_metric((node,), snap.get("velo_transparent_inline_total", 0))
+        self.relayed.add_metric((node,), snap.get("velo_relay_fetches_total", 0))
 
     def in_export_order(self) -> tuple[Metric, ...]:
         """The families in the order a scrape lists them."""
@@ -508,6 +522,7 @@ class _SnapshotFamilies:
             self.regions,
             self.bytes_moved,
             self.fetches,
+            self.relayed,
             self.live_slots,
             self.staged_bytes,
         )

@@ -50,9 +50,11 @@ from ray_velo.consumer.fetch import (
 )
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
+from ray_velo.consumer.relay import copy_gone_notice, read_relay
 from ray_velo.core import AgentCore
 from ray_velo.errors import DescriptorError, StagingError, UcxError
 from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
 from ray_velo.protocol import (
     AcquireRequest,
     DataHandle,
@@ -222,6 +224,8 @@ class _Run:
             claim=instruction.claim,
             consumer_node=self.core.node_id,
             consumer_worker=self.core.worker_id,
+            # a copy other fetches (and other nodes) can find: not the get family's own
+            copies=self.core.serves_copies and self.machine.mode != "hold" and not self.writer_rid,
         )
         return Answered(await acquire(self.link, request, self.deadline))
 
@@ -259,11 +263,7 @@ class _Run:
                     raise UcxError(
                         operation="ucp_get_nbx", status=-3, status_text="injected failure"
                     )
-                buffer = self.dest.buffer
-                core.rdma.get(
-                    self.link.node, instruction.descriptor, buffer.address, timeout,
-                    buffer.registration,
-                )  # fmt: skip
+                self._move_bytes(instruction, timeout)
         except UcxError as exc:
             _log.warning(
                 "ray_velo: GET of %s from node %s failed: %s", self.handle, self.link.node, exc
@@ -276,6 +276,69 @@ class _Run:
         if core.config.rdma.ucx.ep_idle_timeout is not None:
             core.poke()  # arm the idle-endpoint scan
         return GetOk()
+
+    def _move_bytes(self, instruction: Get, timeout: float) -> None:
+        """GET the payload: from the copy the owner pointed at as far as it serves, the
+        rest from the owner. A copy the owner counts is opened to other nodes first, and
+        filled in pieces they may read as each lands."""
+        core, answer = self.core, instruction.answer
+        until = time.monotonic() + timeout
+        relayed = False
+        if answer.announce and self.dest.fid is not None and self.machine.mode != "hold":
+            with core.lock:
+                relayed = core.state.relay_open(self.handle, self.dest.fid, answer.total_len)
+        pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
+
+        def get_range(node: str, descriptor: Any, start: int, stop: int, timeout_s: float) -> None:
+            self._get_range(node, descriptor, start, stop, timeout_s, pieces)
+
+        try:
+            start = 0
+            if answer.relay_node:
+                start = self._read_copy(answer, until, get_range)
+            get_range(self.link.node, instruction.descriptor, start, answer.total_len, _left(until))
+        except BaseException:
+            if relayed:  # the owner must not point anyone else at it
+                self.link.send(
+                    "_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id)
+                )
+            raise
+
+    def _read_copy(self, answer: Rdma, until: float, get_range: Any) -> int:
+        """Bytes read from the copy on ``answer.relay_node`` (see :func:`read_relay`); a copy
+        that could not serve them all is reported gone to the owner."""
+        node, worker = answer.relay_node, answer.relay_worker
+        link = self.driver.peers.relay(node, worker)
+        if link is None:
+            return 0
+        buffer = self.dest.buffer
+        done = read_relay(self.core, link, (self.handle, node, worker), buffer, until, get_range)
+        if done < answer.total_len:
+            self.link.send("_rv_copy", copy_gone_notice(self.handle, node, worker))
+        if done:
+            self.core.metrics.relayed()
+        return done
+
+    def _get_range(
+        self, node: str, descriptor: Any, start: int, stop: int, timeout_s: float, pieces: bool
+    ) -> None:
+        """GET bytes ``[start, stop)`` from ``node``; in pieces that other nodes may read as
+        each lands when ``pieces``."""
+        core, buffer = self.core, self.dest.buffer
+        until = time.monotonic() + timeout_s
+        step = RELAY_PIECE_BYTES if pieces else max(stop - start, 1)
+        for at in range(start, stop, step):
+            end = min(stop, at + step)
+            core.rdma.get(
+                node, descriptor, buffer.address, _left(until), buffer.registration,
+                start=at, stop=end,
+            )  # fmt: skip
+            if pieces:
+                with core.changing():  # wakes the relays waiting for these bytes
+                    core.state.relay_landed(self.handle, end)
+                pause = core.faults.get("copy_piece_pause_s", 0.0)
+                if pause and end < stop:
+                    time.sleep(pause)
 
     def act(self, instruction: Instruction) -> None:
         """Perform an instruction that expects no result."""
@@ -358,6 +421,10 @@ class _Run:
                 core.state.claim_held(self.pid, self.handle)
         core.poke()  # a reader to watch
         return lease
+
+
+def _left(until: float) -> float:
+    return max(until - time.monotonic(), 0.001)
 
 
 class FetchDriver:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.links import OwnerLink, RayOwnerLink, WireOwnerLink
+from ray_velo.consumer.relay import RelayLink, copy_gone_notice
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.protocol import DataHandle
 
@@ -44,6 +45,11 @@ class Peers(Protocol):
 
     def learn(self, link: OwnerLink, worker_id: int, deadline: Deadline) -> None:
         """Learn an owner's UCX address after a first chunked transfer (never raises)."""
+        ...
+
+    def relay(self, node: str, worker_id: int) -> RelayLink | None:
+        """A connection to the agent ``worker_id`` on ``node`` that serves a copy; None
+        when it cannot be reached that way (read the owner's bytes)."""
         ...
 
 
@@ -133,6 +139,22 @@ class PeerDirectory:
                 self._rdma.register_peer(node, worker_id, address)
                 count += 1
         return count
+
+    def relay(self, node: str, worker_id: int) -> RelayLink | None:
+        if self._rdma is None or node == self._own_node:
+            return None
+        address = self._wire_address(worker_id)
+        return RelayLink(address) if address else None
+
+    def tell_copy_ends(self, ends: list[tuple[DataHandle, str, int]]) -> None:
+        """Tell each copy's agent that its handle ended (see ``AgentCore.tell_copy_ends``);
+        one that cannot be reached keeps its copy until its own bound."""
+        for handle, node, worker in ends:
+            try:
+                link = self.link(DataHandle(worker, 0, node))
+            except VeloError:
+                continue
+            link.send("_rv_copy", copy_gone_notice(handle, node, worker))
 
     def learn(self, link: OwnerLink, worker_id: int, deadline: Deadline) -> None:
         if self._rdma is None or self._rdma.peer_registered(link.node, worker_id):

@@ -22,15 +22,18 @@ from ray_velo.consumer.driver import FetchDriver
 from ray_velo.consumer.fetch import Mode
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire, inline
 from ray_velo.consumer.peers import Peers
+from ray_velo.consumer.relay import RelayServer
 from ray_velo.core import AgentCore
 from ray_velo.errors import HandleNotFound, LeaseNotFound, OwnerDied, StagingError
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.owner.service import HANDLERS, OwnerService
 from ray_velo.protocol import (
     AcquireRequest,
+    CopyNotice,
     DataHandle,
     DetachRequest,
     ReleaseRequest,
+    decode,
     encode,
 )
 
@@ -47,6 +50,8 @@ class ConsumerService:
         self.peers = peers
         self.owner = owner
         self.driver = FetchDriver(core, peers)
+        #: Serves this node's copies to other nodes' agents (``_rv_relay``).
+        self.relays = RelayServer(core, lambda handle: handle in self._flights)
         #: Transfers in flight by handle (on the event loop): a second fetch of one waits
         #: for it and reads its node-local copy, so the bytes cross the link once.
         self._flights: dict[DataHandle, asyncio.Future[None]] = {}
@@ -226,6 +231,19 @@ class ConsumerService:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+    # --- copies ----------------------------------------------------------------------
+
+    def copy_notice(self, data: bytes) -> None:
+        """``_rv_copy``: about one of our handles, a copy of it elsewhere is gone; about
+        another owner's, that owner ended it (our copy goes with its last reader)."""
+        notice = decode(CopyNotice, data)
+        core = self.core
+        if notice.handle.worker_id == core.worker_id:
+            self.owner.copy_gone(notice)
+            return
+        with core.changing() as fx:
+            core.state.copy_ended(notice.handle, core.clock(), fx)
 
     # --- claims ----------------------------------------------------------------------
 

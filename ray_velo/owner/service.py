@@ -16,9 +16,11 @@ from typing import Any
 import numpy as np
 
 from ray_velo.core import AgentCore
+from ray_velo.owner.relays import RELAY_MIN_BYTES
 from ray_velo.owner.state import RegionSlot
 from ray_velo.protocol import (
     AcquireRequest,
+    CopyNotice,
     DetachRequest,
     LeaseRenewRequest,
     MetadataRequest,
@@ -117,6 +119,14 @@ class OwnerService:
     ) -> bytes:
         """An RDMA lease (always with a deadline) and the answer carrying the descriptor."""
         rendezvous = self.core.config.rdma.rendezvous
+        sources = self.core.state.sources
+        relay = None
+        if request.copies and consumer is not None:
+            # Its copy counts (announced before the GET, so the next consumer may read it
+            # as it fills); a large payload is read from another copy when there is one.
+            if slot.total_len >= RELAY_MIN_BYTES:
+                relay = sources.pick(slot.slot_id, consumer[0])
+            sources.announce(slot.slot_id, *consumer)
         lease = self.core.state.store.acquire(
             request.handle,
             self.core.clock(),
@@ -132,6 +142,9 @@ class OwnerService:
                 rendezvous.lease_timeout_ms,
                 slot.total_len,
                 slot.type_header,
+                announce=request.copies and consumer is not None,
+                relay_node=relay.node if relay else "",
+                relay_worker=relay.worker if relay else 0,
             )
         )
 
@@ -228,6 +241,11 @@ class OwnerService:
         core.commits.wait(handle)
         with core.changing() as fx:
             core.state.lease_end(handle, lease_id, release, core.clock(), fx, claim=claim)
+
+    def copy_gone(self, notice: CopyNotice) -> None:
+        """``_rv_copy`` about one of our handles: that node's copy of it is no more."""
+        with self.core.lock:
+            self.core.state.sources.gone(notice.handle.slot_id, notice.node, notice.worker)
 
     def _rv_lease_renew(self, data: bytes) -> None:
         request = decode(LeaseRenewRequest, data)

@@ -15,6 +15,7 @@ exactly one holder, and moves between holders only through this class:
     reservation:<rid>   a producer writes it (or a PinnedWriter, which a fetch may fill)
     slot:<id>           a staged slot's bytes
     fetch:<id>          the destination of a fetch (or a region copy) in progress
+    relayed:<id>        a failed fetch's bytes, waiting for the other nodes reading them
     parked:<id>         a freed slot's bytes, waiting for a copy out of them to end
     grace:<id>          a freed slot's bytes, waiting out the pull grace
     demoted:<id>        shutdown moved the slot to plain memory; its registered bytes wait
@@ -34,7 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from ray_velo.errors import HandleNotFound, ProtocolError, StagingError
+from ray_velo.errors import HandleNotFound, LeaseNotFound, ProtocolError, StagingError
+from ray_velo.owner.relays import CopySources, Relay
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import TypeHeader
 from ray_velo.store import FreedSlot, Lease, Slot, SlotKind, SlotStore, SweepResult
@@ -55,6 +57,8 @@ __all__ = [
 PULL_GRACE_S = 1.0
 #: A node-local copy whose last reader is gone ends with this reason.
 COPY_UNUSED = "its node-local copy has no reader left"
+#: A node-local copy kept for its owner ends with this reason once the owner says so.
+COPY_ENDED = "its owner ended the handle"
 PRODUCER_DIED = "the process that staged it died"
 
 ReadMode = Literal["release", "detach", "hold", "claim"]
@@ -98,12 +102,14 @@ class Effects:
 
     ``free``: (buffer, pinned) pairs to give back to the pinned or plain pool, in order.
     ``anchors``: region in-flight anchors to release. ``poke``: a deadline may have moved:
-    let the timer look again.
+    let the timer look again. ``copy_ends``: (handle, node, worker) of copies on other nodes
+    whose agents must hear that the handle ended.
     """
 
     free: list[tuple[Buffer, bool]] = field(default_factory=list)
     anchors: list[Any] = field(default_factory=list)
     poke: bool = False
+    copy_ends: list[tuple[DataHandle, str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -153,6 +159,15 @@ class OwnerState:
         self._claims: dict[int, Counter[DataHandle]] = {}  # pid -> claims it holds
         self._followed: dict[int, set[DataHandle]] = {}  # pid -> handles that end with it
         self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
+        #: As owner: the copies of our handles on other nodes (see ray_velo.owner.relays).
+        self.sources = CopySources()
+        #: As a copy's node: the copies other nodes may read, by remote handle.
+        self._relays: dict[DataHandle, Relay] = {}
+        self._relay_fids: dict[int, DataHandle] = {}
+        self._relayed: dict[int, tuple[Buffer, bool]] = {}
+        self._relay_leases = itertools.count(1)
+        #: Copies the owner counts: kept past their last reader until it says the handle ended.
+        self._kept: set[DataHandle] = set()
 
     # --- the ledger ------------------------------------------------------------------
 
@@ -302,13 +317,21 @@ class OwnerState:
         return fid
 
     def fetch_give_back(self, fid: int, fx: Effects) -> None:
-        """The fetch failed or moved elsewhere: its buffer goes back to its pool."""
+        """The fetch failed or moved elsewhere: its buffer goes back to its pool, once no
+        other node reads the copy it was filling."""
         buffer, pinned = self._fetches.pop(fid)
+        relay = self._relay_failed(fid)
+        if relay is not None and relay.readers:
+            self._move(buffer, f"fetch:{fid}", f"relayed:{fid}")
+            self._relayed[fid] = (buffer, pinned)
+            return
         self._give_back(buffer, f"fetch:{fid}", pinned, fx)
 
     def fetch_quarantine(self, fid: int) -> None:
-        """A timed-out GET may still write the fetch's buffer: it never goes back."""
+        """A timed-out GET may still write the fetch's buffer: it never goes back (other
+        nodes reading the bytes that had landed may go on: those stay as they were)."""
         buffer, pinned = self._fetches.pop(fid)
+        self._relay_failed(fid)
         self._move(buffer, f"fetch:{fid}", "quarantine")
         self.quarantined.append((buffer, pinned))
 
@@ -327,6 +350,12 @@ class OwnerState:
         buffer, pinned = self._fetches.pop(fid)
         handle = self.store.stage(total_len, type_header, buffer, kind=kind, pinned=pinned, now=now)
         self._move(buffer, f"fetch:{fid}", f"slot:{handle.slot_id}")
+        remote = self._relay_fids.pop(fid, None)
+        if remote is not None:  # the copy's readers now read a slot: reads in progress
+            relay = self._relays[remote]
+            relay.fid, relay.slot_id, relay.landed = None, handle.slot_id, total_len
+            for _ in relay.readers:
+                self.begin_read(handle.slot_id)
         if copy_of is not None:
             # A copy that two fetches made at once: the newest serves later fetches; every
             # copy still ends with its own last reader.
@@ -350,6 +379,109 @@ class OwnerState:
             return self.store.slot(DataHandle(self.store.worker_id, slot_id))
         except HandleNotFound:
             return None
+
+    def copy_ended(self, remote: DataHandle, now: float, fx: Effects) -> None:
+        """``remote``'s owner says the handle ended: its copy here goes with its last
+        reader (now, if it has none), and a copy still filling is not kept."""
+        self._kept.discard(remote)
+        copy = self.copy_for(remote)
+        if copy is not None and not copy.leases:
+            local = DataHandle(self.store.worker_id, copy.slot_id)
+            self._bytes_end(self.store.end(local, COPY_ENDED), now, fx)
+
+    # --- copies other nodes read as they fill (relays) -------------------------------
+
+    def relay_open(self, remote: DataHandle, fid: int, total_len: int) -> bool:
+        """Fetch ``fid`` fills a copy of ``remote`` that its owner counts: other nodes may
+        read it as it fills, and it stays until the owner says the handle ended. False (not
+        relayed, not kept) while an older copy of it still has readers."""
+        old = self._relays.get(remote)
+        if old is not None and (not old.failed or old.readers):
+            return False
+        self._relays[remote] = Relay(remote, total_len, fid)
+        self._relay_fids[fid] = remote
+        self._kept.add(remote)
+        return True
+
+    def relay_landed(self, remote: DataHandle, landed: int) -> None:
+        """Bytes ``[0, landed)`` of the copy being filled are final."""
+        relay = self._relays.get(remote)
+        if relay is not None and not relay.failed and relay.fid is not None:
+            relay.landed = max(relay.landed, landed)
+
+    def relay(self, remote: DataHandle) -> Relay | None:
+        return self._relays.get(remote)
+
+    def relay_buffer(self, relay: Relay) -> Any:
+        """Where ``relay``'s bytes are: the filling fetch's buffer, then the copy's slot."""
+        if relay.slot_id is not None:
+            return self.store.held(DataHandle(self.store.worker_id, relay.slot_id)).location
+        if relay.fid in self._fetches:
+            return self._fetches[relay.fid][0]
+        return self._relayed[relay.fid][0] if relay.fid in self._relayed else None
+
+    def relay_join(self, remote: DataHandle, now: float, timeout: float) -> tuple[int, Relay]:
+        """A relay lease on the copy of ``remote``: its bytes stay until the lease ends.
+
+        Raises:
+            HandleNotFound: no copy of it here (or it failed).
+        """
+        relay = self._relays.get(remote)
+        if relay is None or relay.failed:
+            raise HandleNotFound(handle=str(remote), node=self.node, reason="no copy of it here")
+        lease_id = next(self._relay_leases)
+        relay.readers[lease_id] = now + timeout
+        if relay.slot_id is not None:
+            self.begin_read(relay.slot_id)
+        return lease_id, relay
+
+    def relay_renew(self, remote: DataHandle, lease_id: int, now: float, timeout: float) -> Relay:
+        """Push relay lease ``lease_id`` on; the copy (check ``failed``).
+
+        Raises:
+            LeaseNotFound: the lease ended (or expired).
+        """
+        relay = self._relays.get(remote)
+        if relay is None or lease_id not in relay.readers:
+            raise LeaseNotFound(handle=str(remote), lease_id=lease_id)
+        relay.readers[lease_id] = now + timeout
+        return relay
+
+    def relay_leave(self, remote: DataHandle, lease_id: int, now: float, fx: Effects) -> None:
+        """Relay lease ``lease_id`` ends (unknown: already ended, nothing to do)."""
+        relay = self._relays.get(remote)
+        if relay is None or relay.readers.pop(lease_id, None) is None:
+            return
+        if relay.slot_id is not None:
+            self.end_read(relay.slot_id, now, fx)
+        elif relay.fid in self._relayed and not relay.readers:
+            fid = relay.fid
+            buffer, pinned = self._relayed.pop(fid)
+            self._give_back(buffer, f"relayed:{fid}", pinned, fx)
+        self._relay_drop(relay)
+
+    def _relay_failed(self, fid: int) -> Relay | None:
+        """Fetch ``fid`` failed: the copy it filled gets no more bytes."""
+        remote = self._relay_fids.get(fid)
+        if remote is None:
+            return None
+        relay = self._relays[remote]
+        relay.failed = True
+        self._kept.discard(remote)
+        self._relay_drop(relay)
+        return relay
+
+    def _relay_drop(self, relay: Relay) -> None:
+        if relay.failed and not relay.readers and self._relays.get(relay.remote) is relay:
+            del self._relays[relay.remote]
+            if relay.fid is not None:
+                self._relay_fids.pop(relay.fid, None)
+
+    def _relays_expire(self, now: float, fx: Effects) -> None:
+        for relay in list(self._relays.values()):
+            for lease_id, due in list(relay.readers.items()):
+                if due <= now:
+                    self.relay_leave(relay.remote, lease_id, now, fx)
 
     # --- readers (local leases) ------------------------------------------------------
 
@@ -388,7 +520,8 @@ class OwnerState:
         end = self.store.release if release else self.store.detach
         freed = end(handle, lease_id, claim=claim)
         self._bytes_end(freed, now, fx)
-        if freed is None and lease_id and handle.slot_id in self._copy_of:
+        remote = self._copy_of.get(handle.slot_id)
+        if freed is None and lease_id and remote is not None and remote not in self._kept:
             slot = self.store.held(handle)  # not freed: still held
             if slot.ended is None and not slot.leases:
                 self._bytes_end(self.store.end(handle, COPY_UNUSED), now, fx)
@@ -443,6 +576,7 @@ class OwnerState:
         """A consumer agent's new incarnation on ``node`` acquires: end the old one's
         leases (see :meth:`SlotStore.supersede`). Returns the RDMA leases ended."""
         freed, rdma = self.store.supersede(node, worker)
+        self.sources.superseded(node, worker)
         for item in freed:
             self._bytes_end(item, now, fx)
         return rdma
@@ -467,6 +601,7 @@ class OwnerState:
         result = self.store.sweep(now)
         for freed in result.freed:
             self._bytes_end(freed, now, fx)
+        self._relays_expire(now, fx)
         due = [(d, f) for d, f in self._grace if d <= now]
         self._grace = [(d, f) for d, f in self._grace if d > now]
         for _, freed in due:
@@ -476,6 +611,7 @@ class OwnerState:
     def next_due(self) -> float | None:
         """The earliest deadline, TTL or grace end, or None."""
         due = [d for d, _ in self._grace]
+        due += [d for relay in self._relays.values() for d in relay.readers.values()]
         store_due = self.store.next_deadline()
         if store_due is not None:
             due.append(store_due)
@@ -514,6 +650,11 @@ class OwnerState:
     @property
     def copies(self) -> int:
         return len(self._copies)
+
+    @property
+    def relay_readers(self) -> int:
+        """Relay leases other nodes hold on this node's copies."""
+        return sum(len(relay.readers) for relay in self._relays.values())
 
     @property
     def quarantined_bytes(self) -> int:
@@ -588,8 +729,16 @@ class OwnerState:
         for rid, pending in list(self._reservations.items()):
             pending.fills = 0
             self.abort(rid, "its owner shut down", fx)
+        for relay in self._relays.values():
+            relay.readers.clear()  # every read ends with the agent
         for fid in list(self._fetches):
             self.fetch_give_back(fid, fx)
+        for fid, (buffer, pinned) in list(self._relayed.items()):
+            self._give_back(buffer, f"relayed:{fid}", pinned, fx)
+        self._relayed.clear()
+        self._relays.clear()
+        self._relay_fids.clear()
+        self._kept.clear()
         self._claims.clear()
         self.release_demoted(fx)
         return len(freed)
@@ -603,6 +752,13 @@ class OwnerState:
         remote = self._copy_of.pop(slot_id, None)
         if remote is not None and self._copies.get(remote) == slot_id:
             del self._copies[remote]
+            self._kept.discard(remote)
+        relay = self._relays.get(remote) if remote is not None else None
+        if relay is not None and relay.slot_id == slot_id:
+            relay.failed = True  # its readers' reads in progress keep the bytes (parked)
+            self._relay_drop(relay)
+        for node, worker in self.sources.ended(slot_id):
+            fx.copy_ends.append((DataHandle(self.store.worker_id, slot_id), node, worker))
         buffer = freed.location if _is_buffer(freed.location) else None
         if self._reading[slot_id] > 0:
             if buffer is not None:
@@ -666,6 +822,8 @@ class OwnerState:
             add(freed.location, f"grace:{freed.slot_id}")
         for freed in self._demoted:
             add(freed.location, f"demoted:{freed.slot_id}")
+        for fid, (buffer, _) in self._relayed.items():
+            add(buffer, f"relayed:{fid}")
         for buffer, _ in self.quarantined:
             add(buffer, "quarantine")
         if expected != self.holders:

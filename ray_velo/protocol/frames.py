@@ -41,6 +41,10 @@ WIRE_METHODS = (
     "_rv_detach",
     "_rv_release",
     "_rv_lease_renew",
+    # copies and relays (appended: an older agent refuses them as unknown, never misreads)
+    "_rv_copy",
+    "_rv_relay",
+    "_rv_relay_end",
 )
 _METHOD_INDEX = {name: index for index, name in enumerate(WIRE_METHODS)}
 #: After the length: the method (request) or status (answer), and the call id.

@@ -8,6 +8,13 @@ A handle travels as ``{hi, lo}``.
 Handlers: ``_rv_metadata`` (MetadataRequest -> MetadataResponse), ``_rv_acquire``
 (AcquireRequest -> Ready | Rdma), ``_rv_pull`` (PullRequest -> raw chunk bytes), ``_rv_ref``,
 ``_rv_detach``, ``_rv_release`` and ``_rv_lease_renew`` (-> empty answer or an error).
+
+Copies and relays (not in the spec; every field defaults to the spec's behaviour): a consumer
+that keeps node-local copies says so in its acquire (``copies``); the owner then asks it to
+keep its copy until the handle ends (``Rdma.announce``), and may point a later consumer at
+that copy (``Rdma.relay_*``), which it reads as it fills with ``_rv_relay`` (RelayRequest ->
+RelayProgress) on the copy's agent and ends with ``_rv_relay_end``. ``_rv_copy``
+(CopyNotice) says a copy is gone, or (from the owner) that the handle ended.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ __all__ = [
     "NULL_HANDLE",
     "AcquireRequest",
     "AcquireResponse",
+    "CopyNotice",
     "DetachRequest",
     "LeaseRenewRequest",
     "MetadataRequest",
@@ -35,6 +43,9 @@ __all__ = [
     "RdmaOffer",
     "Ready",
     "RefRequest",
+    "RelayEnd",
+    "RelayProgress",
+    "RelayRequest",
     "ReleaseRequest",
     "TypeHeader",
     "decode",
@@ -104,6 +115,9 @@ class AcquireRequest:
             old one's leases at once and gives their claims back, rather than reaping them a
             lease timeout later (a consuming fetch retried on the node's fresh agent finds
             its reference again). Empty / 0, as before the fields existed: nothing is known.
+        copies: the consumer keeps a node-local copy of what it fetches and can announce it
+            and serve it to other nodes (``_rv_copy``, ``_rv_relay``). False, as before the
+            field existed: the owner neither asks for nor hands out copies.
     """
 
     handle: DataHandle = NULL_HANDLE
@@ -114,6 +128,7 @@ class AcquireRequest:
     claim: bool = False
     consumer_node: str = ""
     consumer_worker: int = 0
+    copies: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +145,26 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Rdma:
-    """RDMA answer: GET ``descriptor``; renew within ``lease_timeout_ms`` (0 = no deadline)."""
+    """RDMA answer: GET ``descriptor``; renew within ``lease_timeout_ms`` (0 = no deadline).
+
+    Copies (defaults: none of it, as before the fields existed):
+        announce: the owner counts this consumer's node-local copy among the handle's copies:
+            keep it until the owner says the handle ended (a ``_rv_copy`` with ``gone``), say
+            so if it fails, and serve it to the consumers the owner points at it.
+        relay_node, relay_worker: a copy of the same bytes on another node's agent, being
+            filled or complete: read it as it fills (``_rv_relay`` on that agent, which
+            answers where the bytes are) instead of ``descriptor``. ``descriptor`` stays
+            valid under this lease: whatever the copy cannot give, GET from the owner.
+    """
 
     lease_id: int = 0
     descriptor: bytes = b""
     lease_timeout_ms: int = 0
     total_len: int = 0
     type_header: TypeHeader = TypeHeader()
+    announce: bool = False
+    relay_node: str = ""
+    relay_worker: int = 0
 
 
 AcquireResponse = Ready | Rdma
@@ -186,6 +214,50 @@ class ReleaseRequest:
 @dataclass(frozen=True, slots=True)
 class LeaseRenewRequest:
     """``_rv_lease_renew``: push the lease's deadline one lease timeout past now."""
+
+    handle: DataHandle = NULL_HANDLE
+    lease_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CopyNotice:
+    """``_rv_copy`` (no answer). To the owner: the copy of ``handle`` on the agent ``worker``
+    of ``node`` is gone (sent by that agent, or by a reader that could not reach it). To a
+    copy's agent: the handle ended at its owner, the copy goes with its last reader."""
+
+    handle: DataHandle = NULL_HANDLE
+    node: str = ""
+    worker: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RelayRequest:
+    """``_rv_relay`` (to a copy's agent): take (``lease_id`` 0) or renew a relay lease on its
+    copy of ``handle`` and answer once ``at_least`` bytes have landed (or after a short
+    wait, with what has)."""
+
+    handle: DataHandle = NULL_HANDLE
+    lease_id: int = 0
+    at_least: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RelayProgress:
+    """The ``_rv_relay`` answer: bytes ``[0, landed)`` of the copy are final; the lease ends
+    ``lease_timeout_ms`` after this answer unless renewed. ``descriptor`` (where the copy is)
+    and ``ucx_address`` (the copy's agent's UCX worker) come with the first answer."""
+
+    lease_id: int = 0
+    landed: int = 0
+    total_len: int = 0
+    lease_timeout_ms: int = 0
+    descriptor: bytes = b""
+    ucx_address: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayEnd:
+    """``_rv_relay_end`` (no answer): the relay lease ``lease_id`` on ``handle``'s copy ends."""
 
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0

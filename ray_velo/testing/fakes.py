@@ -117,8 +117,12 @@ class FakeRdma:
         dest_address: int,
         timeout_s: float,
         local_registration: Any = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
     ) -> None:
-        """Copy the descriptor's bytes to ``dest_address``, unless a fault says otherwise."""
+        """Copy the descriptor's bytes (``[start, stop)`` of them) to the same offsets from
+        ``dest_address``, unless a fault says otherwise."""
         self.gets += 1
         if self._take("fail_gets"):
             raise _failed("injected transport failure", unsafe=False)
@@ -128,7 +132,8 @@ class FakeRdma:
             if self.clock is not None:
                 self.clock.advance(self.stall_s)
             raise _failed("injected stall past the deadline", unsafe=True)
-        ctypes.memmove(dest_address, descriptor.addr, descriptor.length)
+        stop = descriptor.length if stop is None else stop
+        ctypes.memmove(dest_address + start, descriptor.addr + start, stop - start)
 
     # --- what an agent asks of its backend otherwise -----------------------------------
 

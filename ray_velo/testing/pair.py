@@ -114,6 +114,9 @@ class InProcessPeers:
         if address:
             self.rdma.register_peer(link.node, peer, address)
 
+    def relay(self, node: str, worker_id: int) -> None:
+        return None  # one owner, one consumer: no other node's copy to read
+
 
 class AgentPair:
     """An owner agent ("node-a") and a consumer agent ("node-b") in this process.

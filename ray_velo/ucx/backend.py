@@ -167,8 +167,12 @@ class UcxRdmaBackend:
         dest_address: int,
         timeout_s: float,
         local_registration: Registration | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
     ) -> None:
-        """GET the descriptor's bytes from peer ``node`` into ``dest_address``.
+        """GET the descriptor's bytes from peer ``node`` into ``dest_address`` (only bytes
+        ``[start, stop)`` of it, to the same offsets from ``dest_address``, when given).
 
         Returns once UCX reports completion. A failed GET has completed too, except a
         timed-out one whose request did not complete even after its endpoint was
@@ -182,11 +186,14 @@ class UcxRdmaBackend:
         endpoint = self._endpoint(node)
         rkey = RemoteKey(endpoint, descriptor.rkey)
         try:
+            stop = descriptor.length if stop is None else stop
+            if not 0 <= start <= stop <= descriptor.length:
+                raise ValueError(f"range [{start}, {stop}) outside {descriptor.length} bytes")
             ucx_get(
                 endpoint,
-                dest_address,
-                descriptor.length,
-                descriptor.addr,
+                dest_address + start,
+                stop - start,
+                descriptor.addr + start,
                 rkey,
                 timeout_s,
                 # the destination's own registration saves one per GET on InfiniBand

@@ -1,0 +1,215 @@
+"""Copies read by other nodes as they fill: both ends (the bookkeeping is
+:mod:`ray_velo.owner.relays`; the bytes stay in the owner state's ledger).
+
+The serving end, :class:`RelayServer`, answers ``_rv_relay`` on a copy's agent: a relay lease
+on the copy (its bytes stay while the lease lives), and how many bytes have landed, waiting a
+little for more. The reading end, :func:`read_relay`, runs on an agent thread inside a GET:
+it follows the copy's progress, GETs each newly landed range, and stops at the first thing
+that goes wrong (the copy's node died, its fetch failed, a GET failed), returning how far it
+got: the caller GETs the rest from the owner, under the owner's lease it holds throughout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray_velo import nonblocking
+from ray_velo.core import AgentCore
+from ray_velo.errors import HandleNotFound, ProtocolError, UcxError, VeloError
+from ray_velo.owner.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
+from ray_velo.protocol import (
+    CopyNotice,
+    DataHandle,
+    RelayEnd,
+    RelayProgress,
+    RelayRequest,
+    decode,
+    encode,
+)
+from ray_velo.protocol.frames import HEADER, MAX_FRAME_BYTES, decode_answer, encode_request
+
+__all__ = ["RelayLink", "RelayServer", "copy_gone_notice", "read_relay"]
+
+_log = logging.getLogger(__name__)
+#: How long past its wait a copy's agent may take to answer before the reader gives up on it.
+_ANSWER_S = 2.0
+
+
+class RelayServer:
+    """``_rv_relay`` and ``_rv_relay_end`` on a copy's agent. ``filling(handle)``: whether a
+    fetch of that handle is in flight here (its copy may open in a moment)."""
+
+    def __init__(self, core: AgentCore, filling: Callable[[DataHandle], bool]) -> None:
+        self.core = core
+        self._filling = filling
+        #: Answers to readers already holding a lease: each follows a GET of what they were
+        #: told had landed (``ray-velo status``, and the tests' sign of a read under way).
+        self.renewals = 0
+
+    def serve(self, data: bytes) -> bytes:
+        """Take or renew a relay lease, wait (at most :data:`RELAY_WAIT_S`) until
+        ``at_least`` bytes landed, answer the progress.
+
+        Raises:
+            HandleNotFound: no copy of that handle here, or it failed (read the owner's).
+            LeaseNotFound: the relay lease ended (it expired).
+        """
+        request = decode(RelayRequest, data)
+        nonblocking.check("waiting for a copy's bytes")
+        core, remote = self.core, request.handle
+        state, lease_timeout = core.state, core.config.rdma.rendezvous.lease_timeout
+        until = time.monotonic() + RELAY_WAIT_S
+        lease_id, first = request.lease_id, request.lease_id == 0
+        self.renewals += not first
+        if first:  # a copy may be a moment from opening: its fetch is still acquiring
+            core.wait_until(
+                lambda: state.relay(remote) is not None or not self._filling(remote), until
+            )
+            with core.lock:
+                lease_id, _ = state.relay_join(remote, core.clock(), lease_timeout)
+
+        def ready() -> bool:
+            relay = state.relay(remote)
+            return relay is None or relay.failed or relay.landed >= request.at_least
+
+        core.wait_until(ready, until)
+        with core.changing() as fx:
+            relay = state.relay_renew(remote, lease_id, core.clock(), lease_timeout)
+            if relay.failed:
+                state.relay_leave(remote, lease_id, core.clock(), fx)
+                raise HandleNotFound(
+                    handle=str(remote), node=core.node_id, reason="its copy here failed"
+                )
+            descriptor, address = b"", b""
+            if first:  # where the bytes are, once: they stay there while the copy lives
+                buffer = state.relay_buffer(relay)
+                where = (buffer.registration, buffer.address, relay.total_len)
+                descriptor, address = core.rdma.descriptor(*where) or b"", core.rdma.address
+            progress = RelayProgress(
+                lease_id, relay.landed, relay.total_len, int(lease_timeout * 1000)
+            )
+            return encode(dataclasses.replace(progress, descriptor=descriptor, ucx_address=address))
+
+    def end(self, data: bytes) -> None:
+        """``_rv_relay_end``: a reader is done with the copy."""
+        request = decode(RelayEnd, data)
+        with self.core.changing() as fx:
+            self.core.state.relay_leave(request.handle, request.lease_id, self.core.clock(), fx)
+
+
+class RelayLink:
+    """A copy's agent over its TCP wire, called from an agent thread: blocking calls on one
+    connection (a relay read makes a handful, then closes it)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._sock: socket.socket | None = None
+        self._ids = 0
+
+    def call(self, method: str, message: bytes, timeout_s: float) -> Any:
+        """Run ``method`` there and return its answer. Raises what it raised (a VeloError),
+        OSError when the connection fails, ProtocolError for a malformed answer."""
+        sock = self._connected(timeout_s)
+        sock.settimeout(timeout_s)
+        self._ids += 1
+        sock.sendall(encode_request(method, self._ids, message))
+        while True:
+            length, status, call_id = HEADER.unpack(_read(sock, HEADER.size))
+            if not HEADER.size - 4 <= length <= MAX_FRAME_BYTES:
+                raise ProtocolError(f"relay answer frame of {length} bytes")
+            body = _read(sock, length - (HEADER.size - 4))
+            if call_id == self._ids:
+                break
+        ok, value = decode_answer(status, body)
+        if not ok:
+            raise value
+        return value
+
+    def send(self, method: str, message: bytes) -> None:
+        """Run ``method`` there without an answer (never raises)."""
+        try:
+            if self._sock is not None:
+                self._sock.sendall(encode_request(method, 0, message))
+        except OSError:
+            pass
+
+    def _connected(self, timeout_s: float) -> socket.socket:
+        if self._sock is None:
+            host, _, port = self.address.rpartition(":")
+            self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._sock
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionResetError("the copy's agent closed the connection")
+        out += chunk
+    return bytes(out)
+
+
+def read_relay(
+    core: AgentCore,
+    link: RelayLink,
+    copy: tuple[DataHandle, str, int],
+    dest: Any,
+    until: float,
+    get_range: Callable[[str, Any, int, int, float], None],
+) -> int:
+    """Read the copy of ``handle`` on agent ``worker`` of ``node`` (``copy``) into ``dest``
+    as it fills: ``get_range(node, descriptor, start, stop, timeout_s)`` GETs each landed
+    range. Returns how many bytes from the start are in ``dest`` (all of them, or as far as
+    it got before the copy failed). A GET that may still write ``dest`` raises (UcxError).
+    """
+    handle, node, worker = copy
+    total, done, lease_id = dest.nbytes, 0, 0
+    try:
+        wait_s = min(RELAY_WAIT_S + _ANSWER_S, _left(until))
+        request = RelayRequest(handle, 0, min(total, RELAY_PIECE_BYTES))
+        progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
+        lease_id = progress.lease_id
+        descriptor = core.rdma.decode(progress.descriptor, total)
+        if progress.ucx_address and not core.rdma.peer_registered(node, worker):
+            core.rdma.register_peer(node, worker, progress.ucx_address)
+        piece_s = max(progress.lease_timeout_ms / 2000, 0.001)  # within the relay lease
+        while True:
+            if progress.landed > done:
+                get_range(node, descriptor, done, progress.landed, min(_left(until), piece_s))
+                done = progress.landed
+            if done >= total:
+                return done
+            request = RelayRequest(handle, lease_id, min(total, done + RELAY_PIECE_BYTES))
+            progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
+    except UcxError as exc:
+        if exc.fields.get("destination_unsafe"):
+            raise
+        _log.info("ray_velo: a GET from the copy of %s on %s failed: %s", handle, node, exc)
+    except (VeloError, OSError) as exc:
+        _log.info("ray_velo: the copy of %s on %s cannot serve: %s", handle, node, exc)
+    finally:
+        if lease_id:
+            link.send("_rv_relay_end", encode(RelayEnd(handle, lease_id)))
+        link.close()
+    return done
+
+
+def copy_gone_notice(handle: DataHandle, node: str, worker: int) -> bytes:
+    """The ``_rv_copy`` message saying that copy of ``handle`` is gone."""
+    return encode(CopyNotice(handle, node, worker))
+
+
+def _left(until: float) -> float:
+    return max(until - time.monotonic(), 0.001)

@@ -1,0 +1,176 @@
+"""One payload to several nodes on a real three-node cluster: the second node reads the first
+node's copy as it fills (the owner hands it out), the copies end when the owner's handle
+does, and a copy whose node dies mid-read leaves its reader to finish from the owner.
+
+Node a owns (the driver puts); node b and a third node c (added for each test) consume. A
+copy's agent pauses after each 16 MiB piece lands (``copy_piece_pause_s``), so the second
+reader provably starts while the first copy is still filling.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+import ray_velo as rv
+from ray_velo.actors.directory import alive_node_ids, ensure_agent, register_all_peers
+from ray_velo.config import MiB
+from ray_velo.ops import cleanup_local
+from tests.on_ray.conftest import TEST_CONFIG, node_ids
+
+pytestmark = [pytest.mark.ray, pytest.mark.multinode]
+
+SIZE = 64 * MiB  # four pieces
+
+
+@ray.remote(num_cpus=0)
+def crc_of(handle: rv.DataHandle, release: bool) -> int:
+    return zlib.crc32(np.ascontiguousarray(rv.fetch(handle, release=release)))
+
+
+def pattern(nbytes: int, seed: int = 3) -> np.ndarray:
+    return ((np.arange(nbytes, dtype=np.uint64) * 151 + seed) % 253).astype(np.uint8)
+
+
+def on(node: str) -> Any:
+    return crc_of.options(resources={node: 1})
+
+
+def info(node_id: str) -> dict[str, Any]:
+    return ray.get(ensure_agent(node_id).info.remote(), timeout=30)  # type: ignore[no-any-return]
+
+
+def relayed(node_id: str) -> int:
+    return int(info(node_id)["metrics"]["velo_relay_fetches_total"])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture()
+def nodes(velo: None, node_c: str) -> Iterator[dict[str, str]]:
+    """Node ids of a, b and c, every agent wired to every other (RDMA from the first
+    fetch); copy pauses turned off again afterwards."""
+    ids = {**node_ids(), "node_c": node_c}
+    register_all_peers({n: ensure_agent(n) for n in alive_node_ids()})
+    yield ids
+    for node_id in ids.values():
+        if node_id in alive_node_ids():
+            ray.get(ensure_agent(node_id).inject_fault.remote("copy_piece_pause_s", 0.0))
+
+
+def start_source(
+    ids: dict[str, str], node: str, handle: rv.DataHandle, release: bool, pause_s: float = 1.0
+) -> Any:
+    """The first reader, on ``node``: its copy fills slowly (``pause_s`` after each piece,
+    longer than a task's worker takes to start); returns once the owner has granted it (so
+    the next reader is pointed at its copy)."""
+    ray.get(ensure_agent(ids[node]).inject_fault.remote("copy_piece_pause_s", pause_s))
+    sources = info(ids["node_a"])["copy_sources"]
+    first = on(node).remote(handle, release)
+    wait_for(
+        "the owner counts the first copy", lambda: info(ids["node_a"])["copy_sources"] > sources
+    )
+    return first
+
+
+def test_a_second_node_reads_the_first_nodes_copy_as_it_fills(nodes: dict[str, str]) -> None:
+    payload = pattern(SIZE)
+    handle = rv.put(payload)
+    rv.ref_handle(handle)  # two consumers
+    before = relayed(nodes["node_c"])
+    first = start_source(nodes, "node_b", handle, release=True)
+    second = on("node_c").remote(handle, True)
+    assert ray.get([first, second], timeout=120) == [zlib.crc32(payload)] * 2
+    assert relayed(nodes["node_c"]) == before + 1  # node c's bytes came from node b's copy
+    # Both consumed: the owner ends the handle and tells both copies, which go.
+    with pytest.raises(rv.HandleNotFound):
+        rv.metadata(handle)
+    wait_for(
+        "both copies freed after the handle ended",
+        lambda: all(info(nodes[n])["copies"] == 0 for n in ("node_b", "node_c")),
+    )
+    assert info(nodes["node_a"])["copy_sources"] == 0
+
+
+def test_a_copy_kept_for_its_owner_serves_a_later_reader_then_ends_with_the_handle(
+    nodes: dict[str, str],
+) -> None:
+    """Node b's copy outlives its reader while the owner's handle lives: a later fetch on
+    node b reads it (no second transfer); releasing the handle at the owner ends it."""
+    payload = pattern(SIZE, 9)
+    handle = rv.put(payload)
+    b = nodes["node_b"]
+    fetches = dict(info(b)["metrics"]["velo_fetches_total"])
+    assert ray.get(on("node_b").remote(handle, False), timeout=60) == zlib.crc32(payload)
+    assert info(b)["copies"] == 1  # its reader is gone; the copy stays for the owner
+    assert ray.get(on("node_b").remote(handle, False), timeout=60) == zlib.crc32(payload)
+    after = dict(info(b)["metrics"]["velo_fetches_total"])
+    assert after.get("cache", 0) - fetches.get("cache", 0) == 1, (fetches, after)
+    rv.release(handle, 0)
+    wait_for("node b's copy freed", lambda: info(b)["copies"] == 0)
+
+
+def test_the_owner_releasing_while_copies_serve_ends_them_after_their_reads(
+    nodes: dict[str, str],
+) -> None:
+    """The handle is released at the owner while node c reads node b's filling copy: both
+    reads finish with the right bytes (their leases hold the bytes), then every copy and
+    the owner's slot go, and the handle is gone everywhere."""
+    payload = pattern(SIZE, 5)
+    handle = rv.put(payload)
+    first = start_source(nodes, "node_b", handle, release=False)
+    second = on("node_c").remote(handle, False)
+    wait_for("node c reads node b's copy", lambda: info(nodes["node_b"])["relay_readers"] > 0)
+    rv.release(handle, 0)
+    assert ray.get([first, second], timeout=120) == [zlib.crc32(payload)] * 2
+    with pytest.raises(rv.HandleNotFound):
+        rv.metadata(handle)
+    wait_for(
+        "the copies freed after the release",
+        lambda: all(info(nodes[n])["copies"] == 0 for n in ("node_b", "node_c")),
+    )
+    with pytest.raises(rv.HandleNotFound):
+        ray.get(on("node_b").remote(handle, False), timeout=60)
+
+
+def test_a_reader_whose_copy_dies_mid_read_finishes_from_the_owner(
+    nodes: dict[str, str], cluster: Any
+) -> None:
+    """Node c fills the copy node b reads; node c is removed (its raylet, workers and agent
+    killed) mid-read: node b's fetch finishes from the owner with the right bytes."""
+    payload = pattern(SIZE, 11)
+    handle = rv.put(payload)
+    b, c = nodes["node_b"], nodes["node_c"]
+    before, renewals = relayed(b), info(c)["relay_renewals"]
+    first = start_source(nodes, "node_c", handle, release=False, pause_s=5.0)
+    second = on("node_b").remote(handle, False)
+    # A renewal follows node b's GET of the first piece; two pieces are still to land.
+    wait_for("node b read part of node c's copy", lambda: info(c)["relay_renewals"] > renewals)
+    dead_pid = info(c)["pid"]
+    cluster.remove_node(next(n for n in cluster.list_all_nodes() if n.node_id == c))
+    assert ray.get(second, timeout=120) == zlib.crc32(payload)
+    assert relayed(b) == before + 1  # it read part of the copy before the copy died
+    ray.cancel(first, force=True)  # its node is gone: Ray would retry it elsewhere, forever
+    rv.release(handle, 0)  # node c's lease on it is reaped a lease timeout later
+    wait_for("node c's agent is gone", lambda: not pid_alive(dead_pid))
+    assert cleanup_local(TEST_CONFIG.shm_dir).removed  # what the killed agent left

@@ -1,0 +1,302 @@
+"""Copies other nodes read as they fill, on their own (no Ray, no UCX, no clock): the owner's
+list of copies (chain order, never the reader's own node, forgotten when the handle ends or
+the node's agent is replaced) and a copy's bytes on its node, which never go back to a pool
+while another node's reader may still GET them (a failed fetch, a copy that ended, the agent
+shutting down), with validate() after every step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from ray_velo.errors import HandleNotFound, LeaseNotFound
+from ray_velo.owner.relays import CopySources
+from ray_velo.owner.state import Effects, OwnerState
+from ray_velo.protocol import DataHandle, TypeHeader
+from tests.unit.test_owner_state import PID, WORKER, Buf, freed, staged
+
+RAW = TypeHeader()
+REMOTE = DataHandle(0xABC, 7)
+OTHER = DataHandle(0xABC, 8)
+LEASE_S = 1.0
+
+
+# --- the owner's copies ---------------------------------------------------------------
+
+
+def test_consumers_arriving_together_form_a_chain() -> None:
+    sources = CopySources()
+    assert sources.pick(1, "b") is None  # nobody has a copy: read the owner's
+    sources.announce(1, "b", 11)
+    c = sources.pick(1, "c")
+    sources.announce(1, "c", 12)
+    d = sources.pick(1, "d")
+    sources.announce(1, "d", 13)
+    assert (c and c.node, d and d.node) == ("b", "c")  # a -> b -> c -> d
+
+
+def test_a_reader_is_never_pointed_at_its_own_node() -> None:
+    sources = CopySources()
+    sources.announce(1, "b", 11)
+    assert sources.pick(1, "b") is None
+
+
+def test_copies_are_forgotten_when_gone_replaced_or_their_handle_ends() -> None:
+    sources = CopySources()
+    for node, worker in (("b", 11), ("c", 12), ("d", 13)):
+        sources.announce(1, node, worker)
+    sources.gone(1, "b", 11)
+    sources.superseded("c", 99)  # node c's agent restarted: its copies died with it
+    assert sources.count() == 1
+    assert sources.ended(1) == [("d", 13)]  # whom the owner tells
+    assert sources.count() == 0 and sources.pick(1, "e") is None
+
+
+def test_the_end_of_a_handle_with_copies_tells_their_agents() -> None:
+    state = OwnerState(WORKER)
+    handle = staged(state, Buf(1))
+    state.sources.announce(handle.slot_id, "b", 11)
+    fx = Effects()
+    state.lease_end(handle, 0, True, 1.0, fx)
+    assert fx.copy_ends == [(handle, "b", 11)]
+    assert freed(fx) == [Buf(1)]
+
+
+# --- a copy on its node ---------------------------------------------------------------
+
+
+def filling(state: OwnerState, remote: DataHandle = REMOTE, n: int = 1) -> int:
+    fid = state.fetch_take(Buf(n), True)
+    assert state.relay_open(remote, fid, 4096)
+    return fid
+
+
+def test_a_failed_fetch_keeps_its_bytes_for_the_node_reading_them() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    state.relay_landed(REMOTE, 2048)
+    lease_id, relay = state.relay_join(REMOTE, 0.0, LEASE_S)
+    assert relay.landed == 2048
+    fx = Effects()
+    state.fetch_give_back(fid, fx)  # its GET failed
+    assert freed(fx) == [] and state.holder_of(Buf(1)) == f"relayed:{fid}"
+    state.validate()
+    with pytest.raises(HandleNotFound):  # no new reader of a failed copy
+        state.relay_join(REMOTE, 0.0, LEASE_S)
+    state.relay_leave(REMOTE, lease_id, 0.5, fx)
+    assert freed(fx) == [Buf(1)]
+    assert state.relay(REMOTE) is None
+    state.validate()
+
+
+def test_a_copy_that_ends_while_read_keeps_its_bytes_until_the_read_ends() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    lease_id, _ = state.relay_join(REMOTE, 0.0, LEASE_S)
+    slot = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    fx = Effects()
+    state.copy_ended(REMOTE, 0.1, fx)  # the owner ended the handle: the copy ends now
+    assert freed(fx) == [] and state.holder_of(Buf(1)) == f"parked:{slot.slot_id}"
+    state.validate()
+    state.relay_leave(REMOTE, lease_id, 0.2, fx)
+    assert freed(fx) == [Buf(1)]
+    state.validate()
+
+
+def test_a_reader_that_stops_renewing_lets_the_bytes_go_a_lease_later() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    lease_id, _ = state.relay_join(REMOTE, 0.0, LEASE_S)
+    fx = Effects()
+    state.fetch_give_back(fid, fx)
+    assert state.next_due() == LEASE_S
+    state.sweep(LEASE_S / 2, fx)
+    assert freed(fx) == []
+    state.relay_renew(REMOTE, lease_id, LEASE_S / 2, LEASE_S)
+    state.sweep(LEASE_S, fx)
+    assert freed(fx) == []  # renewed
+    state.sweep(1.5 * LEASE_S, fx)
+    assert freed(fx) == [Buf(1)]
+    with pytest.raises(LeaseNotFound):
+        state.relay_renew(REMOTE, lease_id, 2.0, LEASE_S)
+    state.validate()
+
+
+def test_a_quarantined_copy_is_read_to_its_landed_bytes_and_never_given_back() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    state.relay_landed(REMOTE, 1024)
+    lease_id, _ = state.relay_join(REMOTE, 0.0, LEASE_S)
+    state.fetch_quarantine(fid)  # a GET into it timed out: it may still be written
+    fx = Effects()
+    state.relay_leave(REMOTE, lease_id, 0.1, fx)
+    assert freed(fx) == [] and state.holder_of(Buf(1)) == "quarantine"
+    state.validate()
+
+
+def test_a_copy_the_owner_counts_outlives_its_readers_until_the_handle_ends() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    slot = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    local = DataHandle(WORKER, slot.slot_id)
+    lease = state.store.acquire(local, 0.0, kind="local", holder_pid=PID)
+    fx = Effects()
+    state.lease_end(local, lease.lease_id, False, 0.1, fx)
+    assert state.copy_for(REMOTE) is not None and freed(fx) == []  # kept for the owner
+    state.copy_ended(REMOTE, 0.2, fx)
+    assert state.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
+    state.validate()
+
+
+def test_a_copy_whose_handle_ended_while_it_filled_goes_with_its_last_reader() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    fx = Effects()
+    state.copy_ended(REMOTE, 0.0, fx)  # before the copy is complete
+    slot = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    local = DataHandle(WORKER, slot.slot_id)
+    lease = state.store.acquire(local, 0.0, kind="local", holder_pid=PID)
+    state.lease_end(local, lease.lease_id, False, 0.1, fx)
+    assert state.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
+
+
+def test_shutdown_gives_every_copy_back_readers_or_not() -> None:
+    state = OwnerState(WORKER)
+    fid = filling(state)
+    state.relay_join(REMOTE, 0.0, LEASE_S)
+    fx = Effects()
+    state.fetch_give_back(fid, fx)
+    fid2 = filling(state, OTHER, 2)
+    state.relay_join(OTHER, 0.0, LEASE_S)
+    state.clear(0.1, fx)
+    assert sorted(b.n for b in freed(fx)) == [1, 2]
+    assert fid2 and not state.holders
+    state.validate()
+
+
+class RelayMachine(RuleBasedStateMachine):
+    """Fetches filling copies, other nodes' readers joining, renewing, leaving and expiring,
+    local readers, the owner ending handles, sweeps, in any order: the ledger matches, no
+    buffer comes back twice, and no buffer comes back while a live reader may GET it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = OwnerState(WORKER)
+        self.now = 0.0
+        self.next_buf = 0
+        self.returned: set[tuple[str, int]] = set()
+        self.filling: dict[int, DataHandle] = {}  # fid -> remote
+        self.readers: dict[tuple[DataHandle, int], tuple[tuple[str, int], float]] = {}
+        self.locals: list[tuple[DataHandle, int]] = []
+
+    def _apply(self, fx: Effects) -> None:
+        live = {key for key, due in self.readers.values() if due > self.now}
+        for buffer, _ in fx.free:
+            assert buffer.key not in self.returned, f"{buffer.key} given back twice"
+            assert buffer.key not in live, f"{buffer.key} given back while a node reads it"
+            self.returned.add(buffer.key)
+
+    @rule(remote=st.sampled_from([REMOTE, OTHER]))
+    def fill(self, remote: DataHandle) -> None:
+        self.next_buf += 1
+        fid = self.state.fetch_take(Buf(self.next_buf), True)
+        if self.state.relay_open(remote, fid, 4096):
+            self.filling[fid] = remote
+        else:
+            fx = Effects()
+            self.state.fetch_give_back(fid, fx)
+            self._apply(fx)
+
+    @rule(data=st.data(), landed=st.integers(0, 4096))
+    def land(self, data: st.DataObject, landed: int) -> None:
+        if self.filling:
+            fid = data.draw(st.sampled_from(sorted(self.filling)))
+            self.state.relay_landed(self.filling[fid], landed)
+
+    @rule(data=st.data(), outcome=st.sampled_from(["stage", "give_back", "quarantine"]))
+    def finish(self, data: st.DataObject, outcome: str) -> None:
+        if not self.filling:
+            return
+        fid = data.draw(st.sampled_from(sorted(self.filling)))
+        remote = self.filling.pop(fid)
+        fx = Effects()
+        if outcome == "stage":
+            slot = self.state.fetch_stage(fid, 4096, RAW, "pooled", self.now, copy_of=remote)
+            local = DataHandle(WORKER, slot.slot_id)
+            lease = self.state.store.acquire(local, self.now, kind="local", holder_pid=PID)
+            self.locals.append((local, lease.lease_id))
+        elif outcome == "give_back":
+            self.state.fetch_give_back(fid, fx)
+        else:
+            self.state.fetch_quarantine(fid)
+        self._apply(fx)
+
+    @rule(remote=st.sampled_from([REMOTE, OTHER]))
+    def join(self, remote: DataHandle) -> None:
+        with contextlib.suppress(HandleNotFound):
+            lease_id, relay = self.state.relay_join(remote, self.now, LEASE_S)
+            buffer = self.state.relay_buffer(relay)
+            self.readers[(remote, lease_id)] = (buffer.key, self.now + LEASE_S)
+
+    @rule(data=st.data(), leave=st.booleans())
+    def reader_step(self, data: st.DataObject, leave: bool) -> None:
+        if not self.readers:
+            return
+        remote, lease_id = data.draw(st.sampled_from(sorted(self.readers)))
+        key, due = self.readers[(remote, lease_id)]
+        fx = Effects()
+        if leave:
+            del self.readers[(remote, lease_id)]
+            self.state.relay_leave(remote, lease_id, self.now, fx)
+        else:
+            try:
+                self.state.relay_renew(remote, lease_id, self.now, LEASE_S)
+                self.readers[(remote, lease_id)] = (key, self.now + LEASE_S)
+            except LeaseNotFound:
+                assert due <= self.now, "a live relay lease was lost"
+                del self.readers[(remote, lease_id)]
+        self._apply(fx)
+
+    @rule(data=st.data())
+    def local_reader_ends(self, data: st.DataObject) -> None:
+        if self.locals:
+            local, lease_id = self.locals.pop(data.draw(st.integers(0, len(self.locals) - 1)))
+            fx = Effects()
+            with contextlib.suppress(HandleNotFound):
+                self.state.lease_end(local, lease_id, False, self.now, fx)
+            self._apply(fx)
+
+    @rule(remote=st.sampled_from([REMOTE, OTHER]))
+    def owner_ends_handle(self, remote: DataHandle) -> None:
+        fx = Effects()
+        self.state.copy_ended(remote, self.now, fx)
+        self._apply(fx)
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0]))
+    def sweep(self, dt: float) -> None:
+        self.now += dt
+        fx = Effects()
+        self.state.sweep(self.now, fx)
+        self._apply(fx)
+        self.readers = {k: v for k, v in self.readers.items() if v[1] > self.now}
+
+    @invariant()
+    def ledger_matches(self) -> None:
+        self.state.validate()
+        assert not self.returned & set(self.state.holders), "a buffer both returned and held"
+
+    def teardown(self) -> None:
+        fx = Effects()
+        self.state.clear(self.now, fx)
+        self.readers.clear()
+        self._apply(fx)
+        quarantined = {b.key for b, _ in self.state.quarantined}
+        assert set(self.state.holders) == quarantined
+
+
+TestRelayMachine = RelayMachine.TestCase
+TestRelayMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
