@@ -105,6 +105,10 @@ GET_BUCKETS_S = [
 ]
 
 
+#: The help text of ``velo_relay_fetches`` (Ray's export and the standalone registry).
+RELAY_HELP = "Fetches whose bytes came (some or all) from another node's copy, not the owner."
+
+
 class _RayExport:
     """The ``ray.util.metrics`` twins of the counters (created only inside a Ray worker)."""
 
@@ -124,6 +128,7 @@ class _RayExport:
             self.live_regions,
             self.bytes_moved,
             self.fetch_duration,
+            self.relayed,
             self.live_slots,
             self.staged_bytes,
         ):
@@ -175,6 +180,7 @@ class _RayExport:
             boundaries=GET_BUCKETS_S,
             tag_keys=("path", "node"),
         )
+        self.relayed = rm.Counter("velo_relay_fetches", RELAY_HELP, tag_keys=("node",))
         self.live_slots = rm.Gauge(
             "velo_live_slots", "Slots staged on this agent.", tag_keys=("node",)
         )
@@ -207,6 +213,7 @@ class _RayExport:
             self.path._record(0, {"path": path, "reason": reason})
         self.reaped._record(0)
         self.inline._record(0)
+        self.relayed._record(0)
         for kind in REGISTRATION_KINDS:
             self.registrations._record(0, {"kind": kind})
         for path in FETCH_PATHS:
@@ -321,6 +328,8 @@ class AgentMetrics:
         """Count one fetch whose bytes came (some or all) from another node's copy."""
         with self._lock:
             self.relay_fetches_total += 1
+        if self._ray is not None:
+            self._ray.relayed.inc(1)
 
     def set_slots(self, live_slots: int, staged_bytes: int) -> None:
         """Set the live-slots and staged-bytes gauges."""
@@ -466,11 +475,7 @@ class _SnapshotFamilies:
             fetches=CounterMetricFamily(
                 "velo_fetches", "Fetches, by path.", labels=("path", "node")
             ),
-            relayed=CounterMetricFamily(
-                "velo_relay_fetches",
-                "Fetches whose bytes came (some or all) from another node's copy.",
-                labels=("node",),
-            ),
+            relayed=CounterMetricFamily("velo_relay_fetches", RELAY_HELP, labels=("node",)),
             live_slots=GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",)),
             staged_bytes=GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",)),
             arenas=GaugeMetricFamily(

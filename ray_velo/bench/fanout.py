@@ -29,6 +29,9 @@ _WARM_UP_ROUNDS = 6
 #: agent metric it counts: fetches whose bytes came from another consumer node's copy.
 _RELAYED = "relayed"
 _RELAYED_METRIC = "velo_relay_fetches_total"
+#: And the producer's payloads that rode inside Ray's call (no arena was free to stage it).
+_INLINE = "inline"
+_INLINE_METRIC = "velo_transparent_inline_total"
 
 
 def reader_hosts(k: int, hosts: int) -> list[int]:
@@ -61,7 +64,11 @@ def _counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
     def counters() -> dict[str, int]:
         metrics = ray.get(session.current().agent.info.remote())["metrics"]
         # velo_relay_fetches_total is new in the agent: an agent without it relayed nothing.
-        return {**metrics["velo_fetches_total"], _RELAYED: int(metrics.get(_RELAYED_METRIC, 0))}
+        return {
+            **metrics["velo_fetches_total"],
+            _RELAYED: int(metrics.get(_RELAYED_METRIC, 0)),
+            _INLINE: int(metrics.get(_INLINE_METRIC, 0)),
+        }
 
     task = ray.remote(num_cpus=0)(counters)
     total: Counter[str] = Counter()
@@ -72,12 +79,14 @@ def _counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
 
 def _per_round(before: Counter[str], after: Counter[str], reps: int) -> dict[str, float]:
     """Per measured round: transfers over a link (rdma + chunked), of which relayed (from
-    another reader host's copy rather than host a), and node-local copies read."""
+    another reader host's copy rather than host a), node-local copies read, and payloads
+    that rode inside Ray's call (``inline``: no transfer of ours)."""
     moved = after - before  # Counter subtraction keeps the positive deltas only
     return {
         "transfers": (moved["rdma"] + moved["chunked"]) / reps,
         "relayed": moved[_RELAYED] / reps,
         "copies": moved["cache"] / reps,
+        "inline": moved[_INLINE] / reps,
     }
 
 
@@ -124,6 +133,7 @@ def measure_fan_out(
 
     producer_cls, reader_cls = _classes()
     a = ray.remote(num_cpus=0, resources=dict(on_a))
+    agents = [*on_readers, on_a]  # the counters: the readers' fetches, the producer's inline
     on = [on_readers[i - 1] for i in reader_hosts(k, len(on_readers) + 1)]
 
     def readers_on(places: Sequence[Mapping[str, float]], velo: bool) -> list[Any]:
@@ -146,16 +156,17 @@ def measure_fan_out(
         # rounds of a new size ride inside Ray's call while the agents warm arenas up.
         for rep in range(reps + _WARM_UP_ROUNDS):
             if rep == _WARM_UP_ROUNDS:
-                before = _counters(on_readers)
+                before = _counters(agents)
             started = time.perf_counter()
             ref = producer.batch.remote()
             ray.get([r.read.remote(ref) for r in readers])
             if rep >= _WARM_UP_ROUNDS:
                 times.append(time.perf_counter() - started)
             del ref
+        tick(f"  {column} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in times) + " ms")
         out[column] = statistics.median(times)
         if column != "ray":  # undecorated readers: the agents take no part
-            counts = _per_round(before, _counters(on_readers), reps)
+            counts = _per_round(before, _counters(agents), reps)
             out.update({f"{column}_{name}": value for name, value in counts.items()})
         for actor in (producer, *readers):
             ray.kill(getattr(actor, "ray_handle", actor))
@@ -189,7 +200,8 @@ def format_fan_out(
             f"{'':>8} per round, {agents} moved the bytes over a link "
             f"{row.get('velo_transfers', 0):.1f} times for {k} readers "
             f"({row.get('velo_relayed', 0):.1f} relayed from another reader host's copy, "
-            f"not host a's; {row.get('velo_copies', 0):.1f} read a node-local copy)"
+            f"not host a's; {row.get('velo_copies', 0):.1f} read a node-local copy; "
+            f"{row.get('velo_inline', 0):.1f} rounds rode inside Ray's call)"
         )
     lines.append(
         "velo/Ray speed = Ray's time over ray_velo's (above 1.00x: ray_velo is faster); "

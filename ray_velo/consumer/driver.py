@@ -52,7 +52,7 @@ from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import copy_gone_notice, read_relay
 from ray_velo.core import AgentCore
-from ray_velo.errors import DescriptorError, StagingError, UcxError
+from ray_velo.errors import DescriptorError, StagingError, UcxError, VeloError
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
 from ray_velo.protocol import (
@@ -308,11 +308,15 @@ class _Run:
         """Bytes read from the copy on ``answer.relay_node`` (see :func:`read_relay`); a copy
         that could not serve them all is reported gone to the owner."""
         node, worker = answer.relay_node, answer.relay_worker
-        link = self.driver.peers.relay(node, worker)
+        peers = self.driver.peers
+        if not peers.registered(node, worker):  # its UCX address, over a Ray call, once
+            with contextlib.suppress(VeloError):
+                peers.learn(peers.link(DataHandle(worker, 0, node)), worker, self.deadline)
+        link = peers.relay(node, worker) if peers.registered(node, worker) else None
         if link is None:
             return 0
         buffer = self.dest.buffer
-        done = read_relay(self.core, link, (self.handle, node, worker), buffer, until, get_range)
+        done = read_relay(self.core, link, (self.handle, node), buffer, until, get_range)
         if done < answer.total_len:
             self.link.send("_rv_copy", copy_gone_notice(self.handle, node, worker))
         if done:

@@ -11,7 +11,6 @@ got: the caller GETs the rest from the owner, under the owner's lease it holds t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import time
@@ -85,15 +84,15 @@ class RelayServer:
                 raise HandleNotFound(
                     handle=str(remote), node=core.node_id, reason="its copy here failed"
                 )
-            descriptor, address = b"", b""
+            descriptor = b""
             if first:  # where the bytes are, once: they stay there while the copy lives
                 buffer = state.relay_buffer(relay)
                 where = (buffer.registration, buffer.address, relay.total_len)
-                descriptor, address = core.rdma.descriptor(*where) or b"", core.rdma.address
+                descriptor = core.rdma.descriptor(*where) or b""
             progress = RelayProgress(
-                lease_id, relay.landed, relay.total_len, int(lease_timeout * 1000)
+                lease_id, relay.landed, relay.total_len, int(lease_timeout * 1000), descriptor
             )
-            return encode(dataclasses.replace(progress, descriptor=descriptor, ucx_address=address))
+            return encode(progress)
 
     def end(self, data: bytes) -> None:
         """``_rv_relay_end``: a reader is done with the copy."""
@@ -164,17 +163,17 @@ def _read(sock: socket.socket, n: int) -> bytes:
 def read_relay(
     core: AgentCore,
     link: RelayLink,
-    copy: tuple[DataHandle, str, int],
+    copy: tuple[DataHandle, str],
     dest: Any,
     until: float,
     get_range: Callable[[str, Any, int, int, float], None],
 ) -> int:
-    """Read the copy of ``handle`` on agent ``worker`` of ``node`` (``copy``) into ``dest``
+    """Read the copy of ``handle`` on ``node`` (``copy``: its agent is ``link``) into ``dest``
     as it fills: ``get_range(node, descriptor, start, stop, timeout_s)`` GETs each landed
     range. Returns how many bytes from the start are in ``dest`` (all of them, or as far as
     it got before the copy failed). A GET that may still write ``dest`` raises (UcxError).
     """
-    handle, node, worker = copy
+    handle, node = copy
     total, done, lease_id = dest.nbytes, 0, 0
     try:
         wait_s = min(RELAY_WAIT_S + _ANSWER_S, _left(until))
@@ -182,8 +181,6 @@ def read_relay(
         progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
         lease_id = progress.lease_id
         descriptor = core.rdma.decode(progress.descriptor, total)
-        if progress.ucx_address and not core.rdma.peer_registered(node, worker):
-            core.rdma.register_peer(node, worker, progress.ucx_address)
         piece_s = max(progress.lease_timeout_ms / 2000, 0.001)  # within the relay lease
         while True:
             if progress.landed > done:

@@ -245,14 +245,14 @@ class RelayRequest:
 class RelayProgress:
     """The ``_rv_relay`` answer: bytes ``[0, landed)`` of the copy are final; the lease ends
     ``lease_timeout_ms`` after this answer unless renewed. ``descriptor`` (where the copy is)
-    and ``ucx_address`` (the copy's agent's UCX worker) come with the first answer."""
+    comes with the first answer. (The agent's UCX worker address never travels here: agents
+    exchange those over Ray calls only, see docs/deployment.md "Security".)"""
 
     lease_id: int = 0
     landed: int = 0
     total_len: int = 0
     lease_timeout_ms: int = 0
     descriptor: bytes = b""
-    ucx_address: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

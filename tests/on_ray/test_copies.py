@@ -23,11 +23,12 @@ import ray_velo as rv
 from ray_velo.actors.directory import alive_node_ids, ensure_agent, register_all_peers
 from ray_velo.config import MiB
 from ray_velo.ops import cleanup_local
-from tests.on_ray.conftest import TEST_CONFIG, node_ids
+from tests.on_ray.conftest import TEST_CONFIG, node_ids, wait_until_freed
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
 SIZE = 64 * MiB  # four pieces
+TTL_S = 8.0
 
 
 @ray.remote(num_cpus=0)
@@ -130,18 +131,26 @@ def test_a_copy_kept_for_its_owner_serves_a_later_reader_then_ends_with_the_hand
     wait_for("node b's copy freed", lambda: info(b)["copies"] == 0)
 
 
-def test_the_owner_releasing_while_copies_serve_ends_them_after_their_reads(
-    nodes: dict[str, str],
+@pytest.mark.parametrize("end", ["release", "ttl"])
+def test_the_owner_ending_the_handle_while_copies_serve_ends_them_after_their_reads(
+    nodes: dict[str, str], end: str
 ) -> None:
-    """The handle is released at the owner while node c reads node b's filling copy: both
-    reads finish with the right bytes (their leases hold the bytes), then every copy and
-    the owner's slot go, and the handle is gone everywhere."""
+    """The handle ends at the owner (released, or its TTL fires) while node c reads node b's
+    filling copy: both reads finish with the right bytes (their leases hold the bytes), then
+    every copy and the owner's slot go, and the handle is gone everywhere."""
     payload = pattern(SIZE, 5)
-    handle = rv.put(payload)
-    first = start_source(nodes, "node_b", handle, release=False)
+    # The TTL: long enough for both readers to start (a worker may take seconds to start on
+    # a loaded machine), short of the read (three pieces to land after pauses of 4 s).
+    ttl = TTL_S if end == "ttl" else None
+    handle = rv.put(payload, ttl=ttl)
+    first = start_source(nodes, "node_b", handle, release=False, pause_s=4.0 if ttl else 1.0)
     second = on("node_c").remote(handle, False)
     wait_for("node c reads node b's copy", lambda: info(nodes["node_b"])["relay_readers"] > 0)
-    rv.release(handle, 0)
+    if end == "release":
+        rv.release(handle, 0)
+    else:
+        wait_until_freed(handle, timeout_s=TTL_S)
+        assert info(nodes["node_b"])["relay_readers"] > 0, "the TTL fired after the reads"
     assert ray.get([first, second], timeout=120) == [zlib.crc32(payload)] * 2
     with pytest.raises(rv.HandleNotFound):
         rv.metadata(handle)
