@@ -61,6 +61,7 @@ _FAULTS = (
     "fail_gets",
     "answer_rdma_without_offer",
     "slow_pulls_s",
+    "copy_piece_pause_s",
 )
 
 
@@ -169,6 +170,8 @@ class RendezvousAgent:
         self.regions = RegionService(core)
         self.peers = PeerDirectory(rdma, _find_agent, _node_of_worker, node_id, _wire_address)
         self.consumer = ConsumerService(core, peers or self.peers, self.owner)
+        if peers is None:
+            core.tell_copy_ends = self.peers.tell_copy_ends
         self._gauges_due = -math.inf
         self._refresh_gauges(clock())  # every gauge set from the start
         self._ticker: Ticker | None = None
@@ -211,6 +214,9 @@ class RendezvousAgent:
                 "counters": dataclasses.asdict(store.counters),
                 "slots": slots,
                 "copies": core.state.copies,
+                "relay_readers": core.state.relay_readers,
+                "relay_renewals": self.consumer.relays.renewals,
+                "copy_sources": core.state.sources.count(),
                 "fetches_in_flight": self.consumer.inflight,
                 "ucx_endpoints": 0 if rdma is None else rdma.endpoint_count(),
                 "ucx_endpoints_reaped": 0 if rdma is None else rdma.endpoints_reaped,
@@ -270,7 +276,8 @@ class RendezvousAgent:
         before each GET, renewing it, as a slow GET would. ``fail_gets``: the consumer's next
         N GETs fail as a broken transport's would. ``answer_rdma_without_offer``: the next N
         acquires without an offer are answered RDMA anyway (a broken owner). ``slow_pulls_s``:
-        the owner answers each chunk this much later (a slow link)."""
+        the owner answers each chunk this much later (a slow link). ``copy_piece_pause_s``:
+        a copy other nodes may read pauses this long after each piece lands (a slow link)."""
         if name not in _FAULTS:
             raise ValueError(f"unknown fault {name!r}")
         with self.core.lock:
@@ -322,6 +329,17 @@ class RendezvousAgent:
 
     def _rv_lease_renew(self, data: bytes) -> None:
         self.owner._rv_lease_renew(data)
+
+    # --- copies on other nodes -------------------------------------------------------
+
+    def _rv_copy(self, data: bytes) -> None:
+        self.consumer.copy_notice(data)
+
+    def _rv_relay(self, data: bytes) -> bytes:
+        return self.consumer.relays.serve(data)
+
+    def _rv_relay_end(self, data: bytes) -> None:
+        self.consumer.relays.end(data)
 
     # --- caller-owned regions --------------------------------------------------------
 

@@ -25,6 +25,7 @@ from ray_velo.local.channel import (
     remove_stale_sockets,
     socket_path,
 )
+from ray_velo.owner.relays import RELAY_DISABLE_ENV
 from ray_velo.owner.wire import WIRE_DISABLE_ENV, WireServer
 from ray_velo.protocol.frames import WIRE_METHODS
 
@@ -144,6 +145,8 @@ class _RendezvousActor:
                 _wire_key(self.worker_id), self._wire.address.encode(), overwrite=True,
                 namespace=_KV_NAMESPACE,
             )  # fmt: skip
+            # Other nodes' agents reach our copies over the wire: we may keep and serve them.
+            self.agent.core.serves_copies = os.environ.get(RELAY_DISABLE_ENV) != "1"
 
     async def _wire_call(self, method: str, message: bytes) -> Any:
         return await self.quick(getattr(self.agent, method), message)
