@@ -1,5 +1,5 @@
-"""The two-host testbed shared by the cross-host tests: two network namespaces joined by a
-veth link, a Ray node started with ``ray start`` in each, UCX over TCP.
+"""The testbed shared by the cross-host tests: three network namespaces joined by veth links
+to a bridge, a Ray node started with ``ray start`` in each, UCX over TCP.
 
 Built once for this folder; it needs root (CAP_NET_ADMIN), and where namespaces cannot be
 made every test here is skipped with the reason. After the folder, nothing it started may be
@@ -29,7 +29,8 @@ def testbed() -> Iterator[Testbed]:
         check_privileges()
     except TestbedUnavailable as exc:
         pytest.skip(f"SKIPPED (namespaces): {exc}")
-    bed = Testbed(hosts=2, link=None, object_store_bytes=1 << 30)
+    # Three hosts: a and b for most tests, c for a broadcast (a to b and c).
+    bed = Testbed(hosts=3, link=None, object_store_bytes=1 << 30)
     bed.start()
     made = bed.network.made
     yield bed

@@ -181,8 +181,55 @@ def unreachable(info: TestbedInfo) -> dict[str, Any]:
         _restart([node_b], None)
 
 
+def _wait(what: str, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+
+
+def broadcast(info: TestbedInfo) -> dict[str, Any]:
+    """One 64 MiB payload from host a to hosts b and c (two consumers): host c, starting once
+    host a granted host b its GET, is pointed at host b's copy and reads it as it fills (host
+    b pauses 1 s after each 16 MiB piece, so the reads provably overlap); when both consumed
+    it, the owner ends the handle and both copies go."""
+    owner, on_b, on_c = _on(info, 0), _on(info, 1), _on(info, 2)
+    agents = {
+        name: ray.get(h.agent.remote()) for name, h in zip("abc", (owner, on_b, on_c), strict=True)
+    }
+    register_all_peers()
+    agent_b = ensure_agent(_node_of(info, 1))
+    ray.get(agent_b.inject_fault.remote("copy_piece_pause_s", 1.0))
+    try:
+        handle, crc = ray.get(owner.put.remote("array", 64 * MiB, 3))
+        rv.ref_handle(handle)  # two consumers
+        first = on_b.fetch.remote(handle)
+        sources = agents["a"]["copy_sources"]
+        _wait(
+            "host a grants host b", lambda: ray.get(owner.agent.remote())["copy_sources"] > sources
+        )
+        second = on_c.fetch.remote(handle)
+        got = [c for c, _ in ray.get([first, second], timeout=240)]
+    finally:
+        ray.get(agent_b.inject_fault.remote("copy_piece_pause_s", 0.0))
+
+    def copies() -> list[int]:
+        return [ray.get(h.agent.remote())["copies"] for h in (on_b, on_c)]
+
+    _wait("both copies freed", lambda: copies() == [0, 0])
+    after_c = ray.get(on_c.agent.remote())
+    relayed = "velo_relay_fetches_total"
+    return {
+        "ok": got == [crc, crc],
+        "c_relayed": after_c["metrics"][relayed] - agents["c"]["metrics"][relayed],
+        "transports": after_c["ucx_transports"],
+        "owner_copy_sources": ray.get(owner.agent.remote())["copy_sources"],
+    }
+
+
 SCENARIOS: dict[str, Callable[[TestbedInfo], dict[str, Any]]] = {
-    f.__name__: f for f in (put_fetch, pipeline, kill_switch, unreachable)
+    f.__name__: f for f in (put_fetch, pipeline, kill_switch, unreachable, broadcast)
 }
 
 

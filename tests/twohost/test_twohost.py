@@ -73,3 +73,15 @@ def test_the_quickstart_runs_on_the_ray_start_cluster(testbed: Testbed) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     expected = float(np.random.default_rng(0).standard_normal(32 << 20).sum())
     assert float(done.stdout.strip().splitlines()[-1]) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_broadcast_to_two_hosts_reads_the_first_copy_as_it_fills(testbed: Testbed) -> None:
+    """Host a's payload for hosts b and c: host c reads host b's copy over the link (TCP)
+    while host b still fills it, the bytes right on both; once both consumed it, neither
+    copy is left and the owner forgot them."""
+    result = run_scenario(testbed, "broadcast")
+    assert result["ok"]
+    assert result["c_relayed"] == 1, "host c's bytes must come from host b's copy"
+    lanes = {lane for node in result["transports"].values() for lane in node}
+    assert lanes == {"tcp/veth0"}
+    assert result["owner_copy_sources"] == 0
