@@ -147,14 +147,25 @@ class PeerDirectory:
         return RelayLink(address) if address else None
 
     def tell_copy_ends(self, ends: list[tuple[DataHandle, str, int]]) -> None:
-        """Tell each copy's agent that its handle ended (see ``AgentCore.tell_copy_ends``);
-        one that cannot be reached keeps its copy until its own bound."""
+        """Tell each copy's agent that its handle ended (see ``AgentCore.tell_copy_ends``),
+        at that agent incarnation's own wire: a link cached by node may reach an older
+        incarnation (or a newer one, which holds none of these copies). An agent that cannot
+        be reached is gone, and its copies with it."""
+        by_agent: dict[tuple[str, int], list[DataHandle]] = {}
         for handle, node, worker in ends:
+            by_agent.setdefault((node, worker), []).append(handle)
+        for (node, worker), handles in by_agent.items():
+            address = self._wire_address(worker)
+            if not address:
+                continue  # an agent without the wire never says it keeps copies
+            link = RelayLink(address)
             try:
-                link = self.link(DataHandle(worker, 0, node))
-            except VeloError:
-                continue
-            link.send("_rv_copy", copy_gone_notice(handle, node, worker))
+                for handle in handles:
+                    link.notify("_rv_copy", copy_gone_notice(handle, node, worker), 2.0)
+            except OSError:
+                pass
+            finally:
+                link.close()
 
     def learn(self, link: OwnerLink, worker_id: int, deadline: Deadline) -> None:
         if self._rdma is None or self._rdma.peer_registered(link.node, worker_id):

@@ -129,8 +129,13 @@ class RelayLink:
             raise value
         return value
 
+    def notify(self, method: str, message: bytes, timeout_s: float) -> None:
+        """Run ``method`` there without an answer, connecting first if need be. Raises
+        OSError when the agent cannot be reached."""
+        self._connected(timeout_s).sendall(encode_request(method, 0, message))
+
     def send(self, method: str, message: bytes) -> None:
-        """Run ``method`` there without an answer (never raises)."""
+        """Run ``method`` there without an answer on the open connection (never raises)."""
         try:
             if self._sock is not None:
                 self._sock.sendall(encode_request(method, 0, message))

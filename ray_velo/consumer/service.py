@@ -208,9 +208,11 @@ class ConsumerService:
         )
         try:
             answer = await acquire(link, request, deadline)
-        except BaseException:
+        except BaseException as exc:
             with core.changing() as fx:
                 core.state.lease_end(local, lease.lease_id, False, core.clock(), fx)
+                if isinstance(exc, HandleNotFound):  # its owner will never say so now
+                    core.state.copy_ended(handle, core.clock(), fx)
             raise
         if mode == "release":
             link.send("_rv_release", encode(ReleaseRequest(handle, answer.lease_id, claim=True)))

@@ -59,6 +59,10 @@ PULL_GRACE_S = 1.0
 COPY_UNUSED = "its node-local copy has no reader left"
 #: A node-local copy kept for its owner ends with this reason once the owner says so.
 COPY_ENDED = "its owner ended the handle"
+#: A copy kept for its owner ends anyway once it had no reader for this long: the owner's
+#: word that the handle ended may never come (its agent died, the notice was lost).
+KEPT_IDLE_S = 60.0
+COPY_IDLE = f"its node-local copy had no reader for {KEPT_IDLE_S:.0f} s"
 PRODUCER_DIED = "the process that staged it died"
 
 ReadMode = Literal["release", "detach", "hold", "claim"]
@@ -168,6 +172,7 @@ class OwnerState:
         self._relay_leases = itertools.count(1)
         #: Copies the owner counts: kept past their last reader until it says the handle ended.
         self._kept: set[DataHandle] = set()
+        self._kept_idle: dict[DataHandle, float] = {}  # kept copy -> when it ends unread
 
     # --- the ledger ------------------------------------------------------------------
 
@@ -384,6 +389,7 @@ class OwnerState:
         """``remote``'s owner says the handle ended: its copy here goes with its last
         reader (now, if it has none), and a copy still filling is not kept."""
         self._kept.discard(remote)
+        self._kept_idle.pop(remote, None)
         copy = self.copy_for(remote)
         if copy is not None and not copy.leases:
             local = DataHandle(self.store.worker_id, copy.slot_id)
@@ -477,6 +483,16 @@ class OwnerState:
             if relay.fid is not None:
                 self._relay_fids.pop(relay.fid, None)
 
+    def _kept_expire(self, now: float, fx: Effects) -> None:
+        for remote, due in list(self._kept_idle.items()):
+            if due > now:
+                continue
+            del self._kept_idle[remote]
+            copy = self.copy_for(remote)
+            if copy is not None and not copy.leases:  # read again meanwhile: not idle
+                local = DataHandle(self.store.worker_id, copy.slot_id)
+                self._bytes_end(self.store.end(local, COPY_IDLE), now, fx)
+
     def _relays_expire(self, now: float, fx: Effects) -> None:
         for relay in list(self._relays.values()):
             for lease_id, due in list(relay.readers.items()):
@@ -521,10 +537,14 @@ class OwnerState:
         freed = end(handle, lease_id, claim=claim)
         self._bytes_end(freed, now, fx)
         remote = self._copy_of.get(handle.slot_id)
-        if freed is None and lease_id and remote is not None and remote not in self._kept:
+        if freed is None and lease_id and remote is not None:
             slot = self.store.held(handle)  # not freed: still held
             if slot.ended is None and not slot.leases:
-                self._bytes_end(self.store.end(handle, COPY_UNUSED), now, fx)
+                if remote not in self._kept:
+                    self._bytes_end(self.store.end(handle, COPY_UNUSED), now, fx)
+                else:
+                    self._kept_idle[remote] = now + KEPT_IDLE_S
+                    fx.poke = True
 
     # --- claims held by local processes ----------------------------------------------
 
@@ -602,6 +622,7 @@ class OwnerState:
         for freed in result.freed:
             self._bytes_end(freed, now, fx)
         self._relays_expire(now, fx)
+        self._kept_expire(now, fx)
         due = [(d, f) for d, f in self._grace if d <= now]
         self._grace = [(d, f) for d, f in self._grace if d > now]
         for _, freed in due:
@@ -612,6 +633,7 @@ class OwnerState:
         """The earliest deadline, TTL or grace end, or None."""
         due = [d for d, _ in self._grace]
         due += [d for relay in self._relays.values() for d in relay.readers.values()]
+        due += list(self._kept_idle.values())
         store_due = self.store.next_deadline()
         if store_due is not None:
             due.append(store_due)
@@ -739,6 +761,7 @@ class OwnerState:
         self._relays.clear()
         self._relay_fids.clear()
         self._kept.clear()
+        self._kept_idle.clear()
         self._claims.clear()
         self.release_demoted(fx)
         return len(freed)
@@ -753,6 +776,7 @@ class OwnerState:
         if remote is not None and self._copies.get(remote) == slot_id:
             del self._copies[remote]
             self._kept.discard(remote)
+            self._kept_idle.pop(remote, None)
         relay = self._relays.get(remote) if remote is not None else None
         if relay is not None and relay.slot_id == slot_id:
             relay.failed = True  # its readers' reads in progress keep the bytes (parked)

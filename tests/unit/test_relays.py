@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.owner.relays import CopySources
-from ray_velo.owner.state import Effects, OwnerState
+from ray_velo.owner.state import KEPT_IDLE_S, Effects, OwnerState
 from ray_velo.protocol import DataHandle, TypeHeader
 from tests.unit.test_owner_state import PID, WORKER, Buf, freed, staged
 
@@ -149,6 +149,23 @@ def test_a_copy_the_owner_counts_outlives_its_readers_until_the_handle_ends() ->
     assert state.copy_for(REMOTE) is not None and freed(fx) == []  # kept for the owner
     state.copy_ended(REMOTE, 0.2, fx)
     assert state.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
+    state.validate()
+
+
+def test_a_kept_copy_nobody_reads_ends_after_its_idle_bound() -> None:
+    """The owner's word may never come (its agent died): an unread kept copy goes anyway."""
+    state = OwnerState(WORKER)
+    slot = state.fetch_stage(filling(state), 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    local = DataHandle(WORKER, slot.slot_id)
+    fx = Effects()
+    for start in (0.0, 30.0):  # read twice: the bound counts from the last reader's end
+        lease = state.store.acquire(local, start, kind="local", holder_pid=PID)
+        state.lease_end(local, lease.lease_id, False, start + 1.0, fx)
+    assert state.next_due() == 31.0 + KEPT_IDLE_S
+    state.sweep(30.0 + KEPT_IDLE_S, fx)
+    assert freed(fx) == [] and state.copy_for(REMOTE) is not None
+    state.sweep(31.0 + KEPT_IDLE_S, fx)
+    assert freed(fx) == [Buf(1)] and state.copy_for(REMOTE) is None
     state.validate()
 
 
