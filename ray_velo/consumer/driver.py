@@ -284,7 +284,9 @@ class _Run:
         core, answer = self.core, instruction.answer
         until = time.monotonic() + timeout
         relayed = False
-        if answer.announce and self.dest.fid is not None and self.machine.mode != "hold":
+        # A copy nobody else can claim a reference for is neither kept nor relayed.
+        wanted = answer.announce and answer.unclaimed != 0
+        if wanted and self.dest.fid is not None and self.machine.mode != "hold":
             with core.lock:
                 relayed = core.state.relay_open(self.handle, self.dest.fid, answer.total_len)
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES

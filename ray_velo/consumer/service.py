@@ -218,9 +218,11 @@ class ConsumerService:
             link.send("_rv_release", encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
         else:
             link.send("_rv_detach", encode(DetachRequest(handle, answer.lease_id)))
-        with core.lock:
+        with core.changing() as fx:
             if mode == "claim":
                 core.state.claim_held(pid, handle)
+            if answer.unclaimed == 0:  # the last consumer: the copy goes with its last reader
+                core.state.copy_ended(handle, core.clock(), fx)
         core.metrics.fetched("cache", copy.total_len, 0.0)
         core.poke()
         return lease_of(core.worker_id, core.node_id, copy, lease.lease_id)

@@ -145,6 +145,7 @@ class OwnerService:
                 announce=request.copies and consumer is not None,
                 relay_node=relay.node if relay else "",
                 relay_worker=relay.worker if relay else 0,
+                unclaimed=_unclaimed(request, slot),
             )
         )
 
@@ -170,6 +171,7 @@ class OwnerService:
                 math.ceil(slot.total_len / chunk),
                 slot.total_len,
                 slot.type_header,
+                _unclaimed(request, slot),
             )
         )
 
@@ -251,3 +253,8 @@ class OwnerService:
         request = decode(LeaseRenewRequest, data)
         with self.core.lock:
             self.core.state.store.renew(request.handle, request.lease_id, self.core.clock())
+
+
+def _unclaimed(request: AcquireRequest, slot: Slot) -> int:
+    """What a consuming acquire's answer says is left to claim (-1: not a consuming one)."""
+    return slot.refcount - slot.claimed if request.claim else -1

@@ -133,7 +133,11 @@ class AcquireRequest:
 
 @dataclass(frozen=True, slots=True)
 class Ready:
-    """Chunked answer: pull ``chunk_count`` chunks of ``chunk_size`` with ``transfer_id``."""
+    """Chunked answer: pull ``chunk_count`` chunks of ``chunk_size`` with ``transfer_id``.
+
+    ``unclaimed`` (here and in :class:`Rdma`): after a consuming acquire, the references no
+    consumer has claimed yet; 0 tells a node-local copy that no later consumer can come (it
+    goes with its last reader). -1, as before the field existed: not said."""
 
     lease_id: int = 0
     transfer_id: int = 0
@@ -141,6 +145,7 @@ class Ready:
     chunk_count: int = 0
     total_len: int = 0
     type_header: TypeHeader = TypeHeader()
+    unclaimed: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +170,7 @@ class Rdma:
     announce: bool = False
     relay_node: str = ""
     relay_worker: int = 0
+    unclaimed: int = -1
 
 
 AcquireResponse = Ready | Rdma
