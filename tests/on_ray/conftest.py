@@ -202,3 +202,12 @@ def wait_until_freed(handle: rv.DataHandle, timeout_s: float = 10.0) -> rv.Handl
             return exc
         assert time.monotonic() < deadline, f"{handle} still staged after {timeout_s} s"
         time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -9,7 +9,6 @@ reader provably starts while the first copy is still filling.
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ import ray_velo as rv
 from ray_velo.actors.directory import alive_node_ids, ensure_agent, register_all_peers
 from ray_velo.config import MiB
 from ray_velo.ops import cleanup_local
-from tests.on_ray.conftest import TEST_CONFIG, node_ids, wait_until_freed
+from tests.on_ray.conftest import TEST_CONFIG, node_ids, pid_alive, wait_until_freed
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -50,14 +49,6 @@ def info(node_id: str) -> dict[str, Any]:
 
 def relayed(node_id: str) -> int:
     return int(info(node_id)["metrics"]["velo_relay_fetches_total"])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -18,6 +18,7 @@ from tests.on_ray.conftest import (
     TEST_CONFIG,
     agent_info,
     node_ids,
+    pid_alive,
     stop_agent,
     wait_until_freed,
 )
@@ -209,18 +210,10 @@ def test_a_node_removed_mid_pull_gives_owner_died_and_leaks_nothing(
     assert time.monotonic() - started < 45
     assert node_c in str(info.value)
     _wait(lambda: used_bytes("node_b") == used_before, "node b freed the half-filled copy")
-    _wait(lambda: not _alive(pid_c), "node c's agent process ended")
+    _wait(lambda: not pid_alive(pid_c), "node c's agent process ended")
     removed = cleanup_local(TEST_CONFIG.shm_dir).removed
     assert all(f"ray_velo-{pid_c}-" not in n for n in os.listdir(TEST_CONFIG.shm_dir))
     assert any(f"/ray_velo-{pid_c}-" in path for path, _ in removed)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_an_agent_restarted_ends_its_old_handles_naming_the_restart(velo: None) -> None:

@@ -17,7 +17,7 @@ import pytest
 import ray_velo as rv
 from ray_velo.config import MiB, RdmaConfig
 
-from .conftest import TEST_CONFIG, agent_info, node_ids, restart_agent
+from .conftest import TEST_CONFIG, agent_info, node_ids, pid_alive, restart_agent
 
 ray = pytest.importorskip("ray")
 
@@ -40,14 +40,6 @@ def eventually(condition: object, what: str) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.01)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def segments_of(worker_ids: list[int]) -> list[str]:

@@ -358,15 +358,24 @@ class OwnerStateMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledger_matches(self) -> None:
-        self.state.validate()
-        assert not self.returned & set(self.state.holders), "a buffer both returned and held"
+        ledger_matches(self.state, self.returned)
 
     def teardown(self) -> None:
         fx = Effects()
         self.state.clear(self.now, fx)
         self._apply(fx)
-        quarantined = {b.key for b, _ in self.state.quarantined}
-        assert set(self.state.holders) == quarantined
+        nothing_held_but_quarantine(self.state)
+
+
+def ledger_matches(state: OwnerState, returned: set[tuple[str, int]]) -> None:
+    """The machines' invariant: the ledger matches, and nothing returned is held."""
+    state.validate()
+    assert not returned & set(state.holders), "a buffer both returned and held"
+
+
+def nothing_held_but_quarantine(state: OwnerState) -> None:
+    """After clear(): every buffer went back but the quarantined ones."""
+    assert set(state.holders) == {b.key for b, _ in state.quarantined}
 
 
 OwnerStateMachine.TestCase.settings = settings(

@@ -17,7 +17,15 @@ from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.owner.relays import CopySources
 from ray_velo.owner.state import KEPT_IDLE_S, Effects, OwnerState
 from ray_velo.protocol import DataHandle, TypeHeader
-from tests.unit.test_owner_state import PID, WORKER, Buf, freed, staged
+from tests.unit.test_owner_state import (
+    PID,
+    WORKER,
+    Buf,
+    freed,
+    ledger_matches,
+    nothing_held_but_quarantine,
+    staged,
+)
 
 RAW = TypeHeader()
 REMOTE = DataHandle(0xABC, 7)
@@ -303,16 +311,14 @@ class RelayMachine(RuleBasedStateMachine):
 
     @invariant()
     def ledger_matches(self) -> None:
-        self.state.validate()
-        assert not self.returned & set(self.state.holders), "a buffer both returned and held"
+        ledger_matches(self.state, self.returned)
 
     def teardown(self) -> None:
         fx = Effects()
         self.state.clear(self.now, fx)
         self.readers.clear()
         self._apply(fx)
-        quarantined = {b.key for b, _ in self.state.quarantined}
-        assert set(self.state.holders) == quarantined
+        nothing_held_but_quarantine(self.state)
 
 
 TestRelayMachine = RelayMachine.TestCase
