@@ -134,7 +134,11 @@ class RdmaPoolConfig:
     initial_arena_bytes: int = 64 * MiB
     max_arena_bytes: int = 1 * GiB
     dedicated_arena_min: int = 64 * MiB
-    registered_bytes_budget: int = 1 * GiB
+    #: Cap on registered bytes per node, pool and regions together. None (the default; the
+    #: spec says 1 GiB): each agent takes a quarter of its node's memory, at least the spec's
+    #: 1 GiB, at most half its shm directory (``ray_velo.memory.node.default_budget``): with
+    #: 1 GiB a single 1.5 GiB payload fell to the chunked path on any node (docs/tuning.md).
+    registered_bytes_budget: int | None = None
     arena_reclaim_after: float | None = None
     retain_arena_bytes: int = 64 * MiB
     #: Emptied dedicated arenas kept mapped for reuse (bytes); 0 unmaps them at once, as
@@ -148,13 +152,10 @@ class RdmaPoolConfig:
     warm_up_after_miss: bool = True
 
     def __post_init__(self) -> None:
-        for name in (
-            "initial_arena_bytes",
-            "max_arena_bytes",
-            "dedicated_arena_min",
-            "registered_bytes_budget",
-        ):
+        for name in ("initial_arena_bytes", "max_arena_bytes", "dedicated_arena_min"):
             _positive(self, name)
+        if self.registered_bytes_budget is not None:
+            _positive(self, "registered_bytes_budget")
         _non_negative(self, "retain_arena_bytes")
         _positive_seconds_or_none(self, "arena_reclaim_after")
         if self.max_arena_bytes < self.initial_arena_bytes:

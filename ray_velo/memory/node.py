@@ -10,6 +10,7 @@ holds the agent's state lock. Who holds each buffer meanwhile is the owner state
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -22,12 +23,29 @@ from ray_velo.memory.arena import remove_stale_segments
 from ray_velo.memory.pool import ArenaPool, Fallback, Placement, Registrar, RegistrationBudget
 from ray_velo.store import SlotKind
 
-__all__ = ["PLAIN_MAX_ARENA_BYTES", "NodeMemory"]
+__all__ = ["PLAIN_MAX_ARENA_BYTES", "SPEC_BUDGET_BYTES", "NodeMemory", "default_budget"]
 
 _log = logging.getLogger(__name__)
 
 #: Upper bound on one arena of the plain (unregistered) pool.
 PLAIN_MAX_ARENA_BYTES = 1 << 30
+#: The spec's ``registered_bytes_budget``: the least an agent takes by default.
+SPEC_BUDGET_BYTES = 1 << 30
+
+
+def default_budget(memory_bytes: int, shm_bytes: int) -> int:
+    """The registered-bytes budget of a node with ``memory_bytes`` of memory and a shm
+    directory of ``shm_bytes``: a quarter of its memory (registered memory is memory a
+    payload occupies anyway; the rest stays for the tasks), never above half the shm
+    directory (staged bytes live there, plain ones too), never below the spec's 1 GiB."""
+    return max(SPEC_BUDGET_BYTES, min(memory_bytes // 4, shm_bytes // 2))
+
+
+def _node_budget(shm_dir: str) -> int:
+    """:func:`default_budget` of this node."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    stat = os.statvfs(shm_dir)
+    return default_budget(memory, stat.f_blocks * stat.f_frsize)
 
 
 class NodeMemory:
@@ -54,6 +72,10 @@ class NodeMemory:
                 stale.nbytes,
             )
         pool_config = config.rdma.pool
+        if pool_config.registered_bytes_budget is None:
+            budget = _node_budget(config.shm_dir)
+            pool_config = dataclasses.replace(pool_config, registered_bytes_budget=budget)
+        assert pool_config.registered_bytes_budget is not None
         self.budget = RegistrationBudget(
             pool_config.registered_bytes_budget, on_change=metrics.set_registered
         )

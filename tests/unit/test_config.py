@@ -32,7 +32,8 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
         pytest.param(lambda: RdmaPoolConfig().initial_arena_bytes, 64 * MiB, id="initial_arena"),
         pytest.param(lambda: RdmaPoolConfig().max_arena_bytes, 1 * GiB, id="max_arena_bytes"),
         pytest.param(lambda: RdmaPoolConfig().dedicated_arena_min, 64 * MiB, id="dedicated_min"),
-        pytest.param(lambda: RdmaPoolConfig().registered_bytes_budget, 1 * GiB, id="budget"),
+        # None: each agent sizes it from its node (memory.node.default_budget), >= 1 GiB
+        pytest.param(lambda: RdmaPoolConfig().registered_bytes_budget, None, id="budget"),
         pytest.param(lambda: RdmaPoolConfig().arena_reclaim_after, None, id="reclaim_after"),
         pytest.param(lambda: RdmaPoolConfig().retain_arena_bytes, 64 * MiB, id="retain_arena"),
         pytest.param(lambda: RdmaConfig().shutdown_timeout, 30.0, id="shutdown_timeout"),
@@ -232,3 +233,29 @@ def test_unpickling_does_not_warn_again() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert pickle.loads(data) == rendezvous
+
+
+@pytest.mark.parametrize(
+    ("memory", "shm", "budget"),
+    [
+        pytest.param(24 * GiB, 24 * GiB, 6 * GiB, id="a quarter of the memory"),
+        pytest.param(256 * GiB, 16 * GiB, 8 * GiB, id="at most half the shm directory"),
+        pytest.param(2 * GiB, 64 * MiB, 1 * GiB, id="at least the spec's 1 GiB"),
+    ],
+)
+def test_the_default_budget_follows_the_node(memory: int, shm: int, budget: int) -> None:
+    from ray_velo.memory.node import default_budget
+
+    assert default_budget(memory, shm) == budget
+
+
+def test_an_agent_without_a_budget_set_takes_its_nodes(tmp_path: Any) -> None:
+    from ray_velo import metrics
+    from ray_velo.memory.node import SPEC_BUDGET_BYTES, NodeMemory
+
+    memory = NodeMemory(VeloConfig(shm_dir=str(tmp_path)), 1, None, metrics.AgentMetrics("n"))
+    assert memory.budget.budget_bytes >= SPEC_BUDGET_BYTES
+    set_one = VeloConfig(
+        shm_dir=str(tmp_path), rdma=RdmaConfig(pool=RdmaPoolConfig(registered_bytes_budget=MiB))
+    )
+    assert NodeMemory(set_one, 1, None, metrics.AgentMetrics("n")).budget.budget_bytes == MiB

@@ -1,0 +1,111 @@
+"""Payloads above the spec's 1 GiB budget on a real two-node cluster, with the agents' own
+default budget (a quarter of the node's memory, at least 1 GiB): 1.5 GiB and 3 GiB cross
+node by one RDMA GET, the bytes right and the registered bytes never above the budget while
+they move; a payload that truly cannot be registered (a small budget set on the owner)
+still arrives, by chunks, counted with its reason."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import ray
+
+import ray_velo as rv
+from ray_velo.config import GiB, MiB, RdmaConfig, RdmaPoolConfig, VeloConfig
+from tests.on_ray.conftest import (
+    TEST_CONFIG,
+    agent_info,
+    moved,
+    path_counts,
+    restart_agent,
+    wait_until_freed,
+)
+
+pytestmark = [pytest.mark.ray, pytest.mark.multinode, pytest.mark.slow]
+
+#: The test config without its 96 MiB receiver limit, and with the node's own budget.
+LARGE = VeloConfig(chunk_size=16 * MiB, pulls_in_flight=4, plain_arena_bytes=16 * MiB)
+
+
+@ray.remote(num_cpus=0, resources={"node_b": 1})
+def crc_on_b(handle: rv.DataHandle) -> int:
+    return zlib.crc32(rv.fetch(handle).data)
+
+
+def pattern(nbytes: int) -> np.ndarray:
+    """Bytes with a period of 251 (prime): a chunk landing at a wrong offset shows."""
+    return np.resize(np.arange(251, dtype=np.uint8), nbytes)
+
+
+@pytest.fixture()
+def large_agents(velo: None) -> Iterator[None]:
+    for node in ("node_a", "node_b"):
+        restart_agent(node, LARGE)
+    yield
+    for node in ("node_a", "node_b"):
+        restart_agent(node, TEST_CONFIG)
+
+
+class RegisteredPeak:
+    """The largest registered-bytes count of each agent while the body runs (sampled)."""
+
+    def __init__(self) -> None:
+        self.peak = {"node_a": 0, "node_b": 0}
+        self.budget = {n: agent_info(n)["budget_bytes"] for n in self.peak}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            for node in self.peak:
+                self.peak[node] = max(self.peak[node], agent_info(node)["registered_bytes"])
+
+    def __enter__(self) -> RegisteredPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("size", [3 * GiB // 2, pytest.param(3 * GiB, id="3GiB")])
+def test_a_payload_above_the_specs_budget_crosses_by_one_get(large_agents: None, size: int) -> None:
+    payload = pattern(size)
+    crc = zlib.crc32(payload.data)
+    before = path_counts("node_b")
+    with RegisteredPeak() as registered:
+        handle = rv.put(payload)
+        del payload
+        assert ray.get(crc_on_b.remote(handle), timeout=600) == crc
+    assert moved(before, path_counts("node_b")) == {"rdma/ok": 1}
+    for node, peak in registered.peak.items():
+        assert 0 < peak <= registered.budget[node], (node, peak, registered.budget)
+    assert registered.budget["node_a"] >= 2 * GiB  # this machine: a quarter of 23 GiB
+    wait_until_freed(handle)
+
+
+def test_a_payload_that_cannot_be_registered_still_arrives_by_chunks(velo: None) -> None:
+    """An owner whose budget (64 MiB) its first pooled arena fills: an 80 MiB pinned put
+    falls back to plain memory (counted ``chunked/budget``) and node b gets it by chunks."""
+    small = VeloConfig(
+        chunk_size=16 * MiB,
+        plain_arena_bytes=16 * MiB,
+        rdma=RdmaConfig(pool=RdmaPoolConfig(registered_bytes_budget=64 * MiB)),
+    )
+    restart_agent("node_a", small)
+    try:
+        payload = pattern(80 * MiB)
+        owner_before = path_counts("node_a")
+        fetches_before = dict(agent_info("node_b")["metrics"]["velo_fetches_total"])
+        handle = rv.put(payload)
+        assert ray.get(crc_on_b.remote(handle), timeout=600) == zlib.crc32(payload.data)
+        assert moved(owner_before, path_counts("node_a")).get("chunked/budget") == 1
+        fetches = agent_info("node_b")["metrics"]["velo_fetches_total"]
+        assert fetches.get("chunked", 0) == fetches_before.get("chunked", 0) + 1
+    finally:
+        restart_agent("node_a", TEST_CONFIG)
