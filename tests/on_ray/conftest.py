@@ -20,8 +20,10 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import ray_velo as rv  # noqa: E402
 from ray_velo.config import (  # noqa: E402
+    GiB,
     MiB,
     RdmaConfig,
+    RdmaPoolConfig,
     RdmaRendezvousConfig,
     VeloConfig,
 )
@@ -33,8 +35,13 @@ TEST_CONFIG = VeloConfig(
     pulls_in_flight=4,
     staged_payload_max=96 * MiB,
     plain_arena_bytes=16 * MiB,
-    # short RDMA leases, so an abandoned GET's lease is reaped within a test's patience
-    rdma=RdmaConfig(rendezvous=RdmaRendezvousConfig(lease_timeout=2.0)),
+    rdma=RdmaConfig(
+        # short RDMA leases, so an abandoned GET's lease is reaped within a test's patience
+        rendezvous=RdmaRendezvousConfig(lease_timeout=2.0),
+        # the spec's budget, which the budget tests are written around (the default is the
+        # node's own: test_large.py)
+        pool=RdmaPoolConfig(registered_bytes_budget=1 * GiB),
+    ),
 )
 
 
