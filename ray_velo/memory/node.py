@@ -72,13 +72,17 @@ class NodeMemory:
                 stale.nbytes,
             )
         pool_config = config.rdma.pool
-        if pool_config.registered_bytes_budget is None:
+        budget = pool_config.registered_bytes_budget
+        if budget is None:
             budget = _node_budget(config.shm_dir)
-            pool_config = dataclasses.replace(pool_config, registered_bytes_budget=budget)
-        assert pool_config.registered_bytes_budget is not None
-        self.budget = RegistrationBudget(
-            pool_config.registered_bytes_budget, on_change=metrics.set_registered
+        warm = pool_config.warm_dedicated_bytes
+        pool_config = dataclasses.replace(
+            pool_config,
+            registered_bytes_budget=budget,
+            # None: as much as the budget may register, so what it takes whole stays warm
+            warm_dedicated_bytes=budget if warm is None else warm,
         )
+        self.budget = RegistrationBudget(budget, on_change=metrics.set_registered)
         self.registrar = registrar
         self.pinned_pool: ArenaPool | None = None
         if registrar is not None:

@@ -819,7 +819,7 @@ class ArenaPool:
         # its size (mapping, reserving and first-touch faulting a fresh one costs more than
         # the copy it serves), up to warm_dedicated_bytes, oldest evicted first. No peer
         # holds a descriptor into it: its slot's leases ended with the slot.
-        limit = self._config.warm_dedicated_bytes
+        limit = self._config.warm_dedicated_bytes or 0  # None: NodeMemory sets the budget's
         size = record.arena.nbytes
         if size > limit:
             return False
