@@ -217,6 +217,9 @@ class RendezvousAgent:
                 "relay_readers": core.state.relay_readers,
                 "relay_renewals": self.consumer.relays.renewals,
                 "copy_sources": core.state.sources.count(),
+                "windowed_leases": self.owner.windowed_leases,
+                "windows_registered": self.owner.windows_registered,
+                "windowed_gets": self.consumer.driver.windowed_gets,
                 "fetches_in_flight": self.consumer.inflight,
                 "ucx_endpoints": 0 if rdma is None else rdma.endpoint_count(),
                 "ucx_endpoints_reaped": 0 if rdma is None else rdma.endpoints_reaped,
@@ -340,6 +343,9 @@ class RendezvousAgent:
 
     def _rv_relay_end(self, data: bytes) -> None:
         self.consumer.relays.end(data)
+
+    def _rv_window(self, data: bytes) -> bytes:
+        return self.owner._rv_window(data)
 
     # --- caller-owned regions --------------------------------------------------------
 

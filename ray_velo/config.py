@@ -153,10 +153,20 @@ class RdmaPoolConfig:
     #: arena of that size and leaves it warm, so the next payload takes the RDMA path. False
     #: is the spec's behaviour: only an explicit pinned ``put`` ever maps.
     warm_up_after_miss: bool = True
+    #: A payload in plain memory (one the budget could not take whole) still moves by GET:
+    #: each side registers a window of this many bytes at a time, charged to the budget
+    #: (the owner two per transfer, the next ready while one moves). Not in the spec; a
+    #: whole number of pages. docs/tuning.md "Payloads larger than the budget".
+    window_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         for name in ("initial_arena_bytes", "max_arena_bytes", "dedicated_arena_min"):
             _positive(self, name)
+        _positive(self, "window_bytes")
+        if self.window_bytes % 4096:
+            raise ConfigError(
+                field="window_bytes", value=self.window_bytes, rule="must be whole 4 KiB pages"
+            )
         if self.registered_bytes_budget is not None:
             _positive(self, "registered_bytes_budget")
         _non_negative(self, "retain_arena_bytes")

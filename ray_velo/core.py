@@ -119,6 +119,7 @@ class AgentCore:
                 try:
                     yield fx
                 finally:
+                    fx.windows += self.state.store.take_ended_windows()
                     self.changed.notify_all()
         finally:
             self.perform(fx)
@@ -139,6 +140,9 @@ class AgentCore:
         dedicated arena back may unmap it, and an anchor's release may deregister a region:
         on the event loop those go to a thread (:func:`~ray_velo.nonblocking.defer`)."""
         now = self.clock()
+        if fx.windows:
+            self._perform_after_windows(fx, now)
+            return
         slow = []
         for buffer, registered in fx.free:
             if getattr(buffer, "dedicated", False):
@@ -160,6 +164,24 @@ class AgentCore:
             nonblocking.defer(lambda: tell(ends))
         if fx.poke:
             self.poke()
+
+    def _perform_after_windows(self, fx: Effects, now: float) -> None:
+        """:meth:`perform` when leases with windows ended: unregistering may block, and
+        nothing may go back to its pool before the windows over it are unregistered (a GET
+        could still read it through them), so it all runs in that order, off the loop."""
+        windows, frees, anchors = list(fx.windows), list(fx.free), list(fx.anchors)
+
+        def in_order() -> None:
+            for window_set in windows:
+                window_set.close()
+            for buffer, registered in frees:
+                self.memory.free(buffer, registered, now)
+            for anchor in anchors:
+                anchor.release()
+
+        nonblocking.defer(in_order)
+        rest = Effects(copy_ends=fx.copy_ends, poke=fx.poke)
+        self.perform(rest)
 
     def check_open(self) -> None:
         """Raises StagingError once the agent is shutting down."""

@@ -87,6 +87,9 @@ class Lease:
     holder_pid: int = 0
     claimed: bool = False
     consumer: tuple[str, int] | None = None  # the consumer agent (node, incarnation)
+    #: An RDMA lease on a plain slot: the windows registered for it (a WindowSet); they
+    #: are unregistered when the lease ends, before the slot's bytes may go.
+    windows: Any = None
 
 
 @dataclass(slots=True)
@@ -111,6 +114,9 @@ class Slot:
     claimed: int = 0
     ended: str | None = None
     leases: set[int] = field(default_factory=set)
+    #: Its producer asked for registered memory and got plain (the budget could not take
+    #: it): consumers that can may GET it through windows (``ray_velo.memory.windows``).
+    windowable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +180,7 @@ class SlotStore:
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
         self._late_reads: set[int] = set()  # local leases granted while draining
+        self._ended_windows: list[Any] = []  # window sets of ended leases, to close
         self._slot_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
 
@@ -324,10 +331,12 @@ class SlotStore:
         holder_pid: int = 0,
         claim: bool = False,
         consumer: tuple[str, int] | None = None,
+        windows: Any = None,
     ) -> Lease:
         """Take a read lease on a live handle. ``timeout`` (s) arms a deadline renewed by
         renew/pull; ``claim`` also claims one unclaimed reference; ``consumer`` names the
-        consumer agent it is for (see :meth:`supersede`).
+        consumer agent it is for (see :meth:`supersede`); ``windows``: the window set the
+        lease's GET reads through (closed when it ends: :meth:`take_ended_windows`).
 
         An RDMA lease must have a timeout (the owner cannot see a GET stop).
 
@@ -349,6 +358,7 @@ class SlotStore:
             holder_pid=holder_pid,
             claimed=claim,
             consumer=consumer,
+            windows=windows,
         )
         self._leases[lease.lease_id] = lease
         if self.draining and kind == "local":
@@ -459,7 +469,23 @@ class SlotStore:
             self._drop_lease(slot, lease)
         return self._unref(slot, RELEASED_BY_CONSUMERS, claim=claim)
 
+    def lease_windows(self, handle: DataHandle, lease_id: int) -> Any:
+        """The window set of RDMA lease ``lease_id`` on ``handle`` (None: it has none).
+
+        Raises:
+            HandleNotFound, LeaseNotFound: the handle or the lease is gone.
+        """
+        return self._lease_on(handle, lease_id)[1].windows
+
+    def take_ended_windows(self) -> list[Any]:
+        """The window sets of the leases ended since the last call: the caller closes them
+        before it frees any slot those calls returned."""
+        ended, self._ended_windows = self._ended_windows, []
+        return ended
+
     def _drop_lease(self, slot: Slot, lease: Lease) -> None:
+        if lease.windows is not None:
+            self._ended_windows.append(lease.windows)
         del self._leases[lease.lease_id]
         self._timed_leases.pop(lease.lease_id, None)
         self._late_reads.discard(lease.lease_id)

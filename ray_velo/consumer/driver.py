@@ -51,9 +51,11 @@ from ray_velo.consumer.fetch import (
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import copy_gone_notice, read_relay
+from ray_velo.consumer.windows import WindowFeed
 from ray_velo.core import AgentCore
 from ray_velo.errors import DescriptorError, StagingError, UcxError, VeloError
 from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.memory.windows import WindowSet
 from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
 from ray_velo.protocol import (
     AcquireRequest,
@@ -63,6 +65,7 @@ from ray_velo.protocol import (
     Rdma,
     Ready,
     ReleaseRequest,
+    WindowRequest,
     encode,
 )
 
@@ -152,6 +155,9 @@ class _Destination:
     buffer: Any = None  # a Placement: the fetch's own, or the PinnedWriter's
     fid: int | None = None  # the ledger entry when the fetch owns it
     registered: bool = False
+    #: A plain destination's windows (a WindowSet, depth 1, charged at allocation): closed
+    #: as soon as the GET returns, before the buffer may be staged or given back.
+    windows: Any = None
 
 
 class _Run:
@@ -239,17 +245,44 @@ class _Run:
                 return Allocated(False)
         else:
             placement = core.memory.allocate_plain(instruction.nbytes, now)
+        windows = None
+        if instruction.windows:
+            windows = self._open_windows(placement)
+            if windows is None:
+                core.memory.free(placement, False, now)
+                return Allocated(False)
         with core.lock:
             fid = core.state.fetch_take(placement, instruction.registered)
-        self.dest = _Destination(placement, fid, instruction.registered)
+        self.dest = _Destination(placement, fid, instruction.registered, windows)
         return Allocated(True)
 
+    def _open_windows(self, placement: Any) -> WindowSet | None:
+        """Windows of a plain destination, one registered at a time, charged now (None:
+        the budget cannot take one)."""
+        memory = self.core.memory
+        if memory.registrar is None:
+            return None
+        window_bytes = self.core.config.rdma.pool.window_bytes
+        windows = WindowSet(
+            memory.registrar, memory.budget, placement.address, placement.nbytes, window_bytes,
+            depth=1,
+        )  # fmt: skip
+        return windows if windows.open() else None
+
     def _get(self, instruction: Get) -> Event:
-        core, answer = self.core, instruction.answer
+        answer = instruction.answer
         renewing = self.driver.renewals.renewing(
             self.link, self.handle, answer.lease_id, answer.lease_timeout_ms
         )
         started = time.monotonic()
+        try:
+            return self._get_timed(instruction, renewing, started)
+        finally:
+            if self.dest.windows is not None:  # whatever ended the GET, it returned
+                self._end_windows(False)
+
+    def _get_timed(self, instruction: Get, renewing: Any, started: float) -> Event:
+        core, answer = self.core, instruction.answer
         try:
             remaining = self.deadline.remaining()
             timeout = remaining if remaining is not None else max(60.0, answer.total_len / 50e6)
@@ -269,13 +302,26 @@ class _Run:
                 "ray_velo: GET of %s from node %s failed: %s", self.handle, self.link.node, exc
             )
             unsafe = bool(exc.fields.get("destination_unsafe"))
+            self._end_windows(unsafe)
             if self.deadline.expired():
                 return GetExpired(self.deadline.timeout_error(self.handle), unsafe)
             return GetFailed(unsafe)
+        self._end_windows(False)
         core.metrics.get_completed(time.monotonic() - started)
         if core.config.rdma.ucx.ep_idle_timeout is not None:
             core.poke()  # arm the idle-endpoint scan
         return GetOk()
+
+    def _end_windows(self, unsafe: bool) -> None:
+        """Close the destination's windows once its GET returned; a GET that may still write
+        them leaves them registered until the agent's UCX goes (their charge stays)."""
+        windows, self.dest.windows = self.dest.windows, None
+        if windows is None:
+            return
+        if unsafe:
+            self.driver.abandoned_windows.extend(windows.abandon())
+        else:
+            windows.close()
 
     def _move_bytes(self, instruction: Get, timeout: float) -> None:
         """GET the payload: from the copy the owner pointed at as far as it serves, the
@@ -285,7 +331,8 @@ class _Run:
         until = time.monotonic() + timeout
         relayed = False
         # A copy nobody else can claim a reference for is neither kept nor relayed.
-        wanted = answer.announce and answer.unclaimed != 0
+        # (a plain destination cannot be read by other nodes: it is not registered)
+        wanted = answer.announce and answer.unclaimed != 0 and self.dest.windows is None
         if wanted and self.dest.fid is not None and self.machine.mode != "hold":
             with core.lock:
                 relayed = core.state.relay_open(self.handle, self.dest.fid, answer.total_len)
@@ -298,7 +345,12 @@ class _Run:
             start = 0
             if answer.relay_node:
                 start = self._read_copy(answer, until, get_range)
-            get_range(self.link.node, instruction.descriptor, start, answer.total_len, _left(until))
+            if answer.window_bytes:
+                self._get_windows(answer, start, until, pieces)
+            else:
+                get_range(
+                    self.link.node, instruction.descriptor, start, answer.total_len, _left(until)
+                )
         except BaseException:
             if relayed:  # the owner must not point anyone else at it
                 self.link.send(
@@ -325,26 +377,79 @@ class _Run:
             self.core.metrics.relayed()
         return done
 
+    def _get_windows(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
+        """GET bytes ``[start, total_len)`` of a plain slot window by window, asking for the
+        next window's descriptor while the current one moves (:class:`WindowFeed`)."""
+        size, total = answer.window_bytes, answer.total_len
+        first, count = start // size, -(-total // size)
+        self.driver.windowed_gets += 1
+        feed = WindowFeed(self.link, self.handle, answer.lease_id, self.core.rdma, size, total)
+        with feed:
+            feed.ask(first, -1, until)
+            for index in range(first, count):
+                descriptor = feed.take(index, until)
+                if index + 1 < count:  # the next one registers while this one moves
+                    feed.ask(index + 1, index - 1, until)
+                base = index * size
+                self._get_range(
+                    self.link.node, descriptor, max(start, base), min(total, base + size),
+                    _left(until), pieces, base=base,
+                )  # fmt: skip
+        if self.machine.mode == "hold":  # the lease stays: its windows need not
+            done = WindowRequest(self.handle, answer.lease_id, -1, count - 1)
+            self.link.send("_rv_window", encode(done))
+
     def _get_range(
-        self, node: str, descriptor: Any, start: int, stop: int, timeout_s: float, pieces: bool
+        self,
+        node: str,
+        descriptor: Any,
+        start: int,
+        stop: int,
+        timeout_s: float,
+        pieces: bool,
+        base: int = 0,
     ) -> None:
-        """GET bytes ``[start, stop)`` from ``node``; in pieces that other nodes may read as
-        each lands when ``pieces``."""
-        core, buffer = self.core, self.dest.buffer
+        """GET bytes ``[start, stop)`` of the payload from ``node`` (``descriptor`` starts
+        at byte ``base``); in pieces that other nodes may read as each lands when
+        ``pieces``."""
+        core = self.core
         until = time.monotonic() + timeout_s
         step = RELAY_PIECE_BYTES if pieces else max(stop - start, 1)
         for at in range(start, stop, step):
             end = min(stop, at + step)
-            core.rdma.get(
-                node, descriptor, buffer.address, _left(until), buffer.registration,
-                start=at, stop=end,
-            )  # fmt: skip
+            self._get_into(node, descriptor, base, at, end, until)
             if pieces:
                 with core.changing():  # wakes the relays waiting for these bytes
                     core.state.relay_landed(self.handle, end)
                 pause = core.faults.get("copy_piece_pause_s", 0.0)
                 if pause and end < stop:
                     time.sleep(pause)
+
+    def _get_into(
+        self, node: str, descriptor: Any, base: int, start: int, stop: int, until: float
+    ) -> None:
+        """One GET of payload bytes ``[start, stop)`` into the destination, through its
+        windows when it is plain (each registered for the time its bytes move; one the GET
+        may still write stays registered: :meth:`_end_windows`)."""
+        rdma, buffer, windows = self.core.rdma, self.dest.buffer, self.dest.windows
+        dest = buffer.address + base
+        if windows is None:
+            rdma.get(
+                node, descriptor, dest, _left(until), buffer.registration,
+                start=start - base, stop=stop - base,
+            )  # fmt: skip
+            return
+        at = start
+        while at < stop:
+            index = at // windows.window_bytes
+            end = min(stop, windows.bounds(index)[1])
+            registration, _, _ = windows.window(index)
+            rdma.get(
+                node, descriptor, dest, _left(until), registration,
+                start=at - base, stop=end - base,
+            )  # fmt: skip
+            windows.done_through(index)
+            at = end
 
     def act(self, instruction: Instruction) -> None:
         """Perform an instruction that expects no result."""
@@ -440,6 +545,10 @@ class FetchDriver:
         self.core = core
         self.peers = peers
         self.renewals = LeaseRenewals()
+        #: GETs of plain slots, window by window (``ray-velo status``; the tests' sign).
+        self.windowed_gets = 0
+        #: Window registrations a timed-out GET may still write: kept until UCX goes.
+        self.abandoned_windows: list[Any] = []
 
     async def run(
         self,
@@ -468,6 +577,7 @@ class FetchDriver:
             peer_registered=self.peers.registered(link.node, handle.worker_id),
             payload_max=core.config.staged_payload_max,
             writer_bytes=None if writer_buffer is None else writer_buffer.nbytes,
+            windows=core.rdma is not None and core.memory.registrar is not None,
         )
         machine = FetchMachine(handle, link.node, mode, facts)
         run = _Run(self, link, machine, deadline, pid, writer_rid, writer_buffer)

@@ -72,13 +72,16 @@ Answer = Ready | Rdma
 @dataclass(frozen=True, slots=True)
 class FetchFacts:
     """What the consumer knows before it starts: its three offer facts, its payload limit,
-    and the capacity of a PinnedWriter destination (None: it allocates its own)."""
+    the capacity of a PinnedWriter destination (None: it allocates its own), and whether it
+    can GET through windows (it reaches the owner's ``_rv_window`` and registers windows of
+    a plain destination itself)."""
 
     has_registry: bool
     rdma_enabled: bool
     peer_registered: bool
     payload_max: int | None = None
     writer_bytes: int | None = None
+    windows: bool = False
 
 
 # --- instructions ---------------------------------------------------------------------------
@@ -103,15 +106,18 @@ class CheckDescriptor:
 
 @dataclass(frozen=True, slots=True)
 class Allocate:
-    """Request: a destination of ``nbytes``, in registered memory when ``registered``."""
+    """Request: a destination of ``nbytes``, in registered memory when ``registered``; in
+    plain memory with a window of it registrable at a time (charged now) when ``windows``."""
 
     nbytes: int
     registered: bool
+    windows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Get:
-    """Request: GET the checked descriptor into the destination, renewing the lease."""
+    """Request: GET the checked descriptor into the destination, renewing the lease (a
+    windowed answer has no descriptor: the driver asks for each window's)."""
 
     answer: Rdma
     descriptor: Any
@@ -262,7 +268,7 @@ Event = (
 )
 
 State = Literal[
-    "new", "acquiring", "decoding", "alloc_registered", "alloc_plain", "getting",
+    "new", "acquiring", "decoding", "alloc_registered", "alloc_window", "alloc_plain", "getting",
     "reacquiring", "pulling", "done", "failed",
 ]  # fmt: skip
 
@@ -297,7 +303,9 @@ class FetchMachine:
         if self.state != "new":
             raise RuntimeError("a FetchMachine starts once")
         facts = self.facts
-        offer = build_offer(facts.has_registry, facts.rdma_enabled, facts.peer_registered)
+        offer = build_offer(
+            facts.has_registry, facts.rdma_enabled, facts.peer_registered, windows=facts.windows
+        )
         out: list[Instruction] = []
         if offer.reason is not None:
             out.append(Count("chunked", offer.reason))
@@ -343,6 +351,14 @@ class FetchMachine:
                     "refusing to retry"
                 )
                 return self._fail(error)
+            if answer.window_bytes:
+                if not self.facts.windows:
+                    error = ProtocolError(
+                        f"owner on node {self.node} answered windows to an offer without "
+                        "them; refusing to retry"
+                    )
+                    return self._fail(error)
+                return self._destination(answer, registered=True)  # descriptors come later
             self.state = "decoding"
             return [CheckDescriptor(answer)]
         if answer.total_len == 0:
@@ -387,8 +403,18 @@ class FetchMachine:
     def _allocated_registered(self, event: Allocated) -> list[Instruction]:
         assert isinstance(self.answer, Rdma)
         if not event.ok:
+            if self.facts.windows:  # a plain destination, registered a window at a time
+                self.state = "alloc_window"
+                return [Allocate(self.answer.total_len, registered=False, windows=True)]
             return self._fallback("pool_exhausted")
         self.dest, self.dest_bytes, self.dest_registered = "fetch", self.answer.total_len, True
+        return self._get(self.answer)
+
+    def _allocated_window(self, event: Allocated) -> list[Instruction]:
+        assert isinstance(self.answer, Rdma)
+        if not event.ok:
+            return self._fallback("pool_exhausted")
+        self.dest, self.dest_bytes, self.dest_registered = "fetch", self.answer.total_len, False
         return self._get(self.answer)
 
     def _allocated_plain(self, event: Allocated) -> list[Instruction]:
@@ -507,6 +533,7 @@ _HANDLERS: dict[tuple[str, type], Callable[[FetchMachine, Any], list[Instruction
     ("decoding", Decoded): FetchMachine._decoded,
     ("decoding", DecodeFailed): FetchMachine._decode_failed,
     ("alloc_registered", Allocated): FetchMachine._allocated_registered,
+    ("alloc_window", Allocated): FetchMachine._allocated_window,
     ("alloc_plain", Allocated): FetchMachine._allocated_plain,
     ("getting", GetOk): FetchMachine._get_ok,
     ("getting", GetFailed): FetchMachine._get_failed,

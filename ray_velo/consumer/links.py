@@ -226,6 +226,22 @@ class WireOwnerLink:
         self._reading: asyncio.Future[None] | None = None
 
     def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+        """Over the connection when it is open and this is not its loop's thread (an agent
+        thread in a GET asking for windows), else a Ray call."""
+        loop = self._loop
+        if method in WIRE_METHODS and self._writer is not None and loop is not None:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is not loop and not loop.is_closed():
+                call = self.call_async(method, message, deadline, handle)
+                try:
+                    future = asyncio.run_coroutine_threadsafe(call, loop)
+                except RuntimeError:  # the loop closed meanwhile
+                    call.close()
+                else:
+                    return future.result()
         return self.ray.call(method, message, deadline, handle)
 
     def ucx_address(self, deadline: Deadline) -> tuple[int, bytes | None]:

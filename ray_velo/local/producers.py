@@ -56,7 +56,9 @@ class ProducerService:
                 if placement is not None:
                     fx.free.append((placement, registered))
                 core.check_open()
-            rid, pending = core.state.reserve(placement, kind, registered, pid)  # type: ignore[arg-type]
+            rid, pending = core.state.reserve(
+                placement, kind, registered, pid, wants_rdma=pinned  # type: ignore[arg-type]
+            )
             core.commits.expect(pending.slot_id)
         handle = core.handle(pending.slot_id)
         if placement is None:

@@ -1,7 +1,8 @@
-"""The owner's seven handlers: decode, change the state under the lock, act outside it, encode.
+"""The owner's handlers: decode, change the state under the lock, act outside it, encode.
 
 ``_rv_metadata``, ``_rv_acquire``, ``_rv_pull``, ``_rv_ref``, ``_rv_detach``, ``_rv_release`` and
-``_rv_lease_renew`` of the spec, as methods of :class:`OwnerService`. Each decodes its message,
+``_rv_lease_renew`` of the spec, and ``_rv_window`` (windows of a plain slot,
+:mod:`ray_velo.memory.windows`), as methods of :class:`OwnerService`. Each decodes its message,
 waits for a commit still on its way, makes one change to the owner state under the agent's
 lock and returns; buffers freed by the change go back to their pools after the lock is released
 (:meth:`~ray_velo.core.AgentCore.changing`).
@@ -15,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from ray_velo import nonblocking
 from ray_velo.core import AgentCore
+from ray_velo.errors import ProtocolError, VeloError
+from ray_velo.memory.windows import WindowSet
 from ray_velo.owner.relays import RELAY_MIN_BYTES
 from ray_velo.owner.state import RegionSlot
 from ray_velo.protocol import (
@@ -31,6 +35,8 @@ from ray_velo.protocol import (
     Ready,
     RefRequest,
     ReleaseRequest,
+    WindowAnswer,
+    WindowRequest,
     decide_path,
     decode,
     encode,
@@ -48,15 +54,20 @@ HANDLERS = frozenset(
         "_rv_detach",
         "_rv_release",
         "_rv_lease_renew",
+        "_rv_window",
     }
 )
 
 
 class OwnerService:
-    """The seven handlers of one agent as owner (see the module docstring)."""
+    """The handlers of one agent as owner (see the module docstring)."""
 
     def __init__(self, core: AgentCore) -> None:
         self.core = core
+        #: RDMA leases granted on plain slots, read through windows (``ray-velo status``).
+        self.windowed_leases = 0
+        #: Windows registered for them.
+        self.windows_registered = 0
 
     def handle(self, method: str, data: bytes) -> Any:
         """Run handler ``method`` (one of :data:`HANDLERS`) on ``data``."""
@@ -76,22 +87,60 @@ class OwnerService:
         request = decode(AcquireRequest, data)
         core = self.core
         core.commits.wait(request.handle)
+        if self._may_open_windows(request):
+            # charging the budget may unmap idle warm arenas: not on the event loop
+            nonblocking.check("opening registered windows of a plain slot")
         consumer = None
         with core.changing() as fx:
             if request.consumer_node and request.consumer_worker:
                 consumer = (request.consumer_node, request.consumer_worker)
                 core.metrics.leases_reaped(core.state.supersede(*consumer, core.clock(), fx))
             slot = core.state.store.slot(request.handle)
-            descriptor = self._decide(request, slot)
-            if descriptor:
+            descriptor, windows = self._decide(request, slot)
+            if descriptor or windows is not None:
                 fx.poke = True
-                return self._grant_rdma(request, slot, descriptor, consumer)
+                try:
+                    return self._grant_rdma(request, slot, descriptor, consumer, windows)
+                except BaseException:
+                    if windows is not None:  # no lease owns it: nothing is registered yet
+                        windows.close()
+                    raise
             fx.poke = request.lease_ms > 0 or bool(request.holder_pid)
             return self._grant_chunked(request, slot, consumer)
 
-    def _decide(self, request: AcquireRequest, slot: Slot) -> bytes:
-        """The eight checks, counted; the descriptor to answer with, or b"" for chunked."""
+    def _may_open_windows(self, request: AcquireRequest) -> bool:
+        """Whether this acquire may open windows (before anything changed; a peek)."""
+        if request.rdma is None or not request.rdma.windows or self.core.rdma is None:
+            return False
+        with self.core.lock:
+            try:
+                return _windowable(self.core.state.store.slot(request.handle))
+            except VeloError:
+                return False  # the acquire itself says why
+
+    def _decide(self, request: AcquireRequest, slot: Slot) -> tuple[bytes, WindowSet | None]:
+        """The eight checks, counted: the descriptor to answer with, or the window set of a
+        plain slot (opened: charged to the budget), or (b"", None) for chunked."""
         core = self.core
+        opened: list[WindowSet] = []
+
+        def open_windows() -> bool:
+            location = slot.location
+            registrar = core.memory.registrar
+            if registrar is None:
+                return False
+            window_set = WindowSet(
+                registrar,
+                core.memory.budget,
+                location.address,
+                slot.total_len,
+                core.config.rdma.pool.window_bytes,
+            )
+            if not window_set.open():
+                return False
+            opened.append(window_set)
+            return True
+
         facts = OwnerFacts(
             offer=request.rdma,
             has_registry=core.rdma is not None,
@@ -100,15 +149,16 @@ class OwnerService:
             total_len=slot.total_len,
             rdma_min_bytes=core.config.rdma.rendezvous.rdma_min_bytes,
             draining=core.state.store.draining,
+            windowed=request.rdma is not None and request.rdma.windows and _windowable(slot),
         )
-        decision = decide_path(facts, lambda: self._descriptor(slot))
+        decision = decide_path(facts, lambda: self._descriptor(slot), open_windows)
         descriptor = decision.descriptor
         if decision.reason == "no_offer" and core.take_fault("answer_rdma_without_offer"):
             descriptor = self._descriptor(slot) or b""  # a broken owner, for the tests
         core.metrics.path(decision.path, decision.reason)
         if descriptor and core.take_fault("corrupt_descriptors"):
             descriptor += b"\x00"  # a trailing byte: decode must refuse it
-        return descriptor
+        return descriptor, (opened[0] if opened else None)
 
     def _grant_rdma(
         self,
@@ -116,8 +166,10 @@ class OwnerService:
         slot: Slot,
         descriptor: bytes,
         consumer: tuple[str, int] | None,
+        windows: WindowSet | None = None,
     ) -> bytes:
-        """An RDMA lease (always with a deadline) and the answer carrying the descriptor."""
+        """An RDMA lease (always with a deadline) and the answer carrying the descriptor, or
+        the window size of a plain slot (the lease owns its window set from here on)."""
         rendezvous = self.core.config.rdma.rendezvous
         sources = self.core.state.sources
         relay = None
@@ -134,7 +186,10 @@ class OwnerService:
             timeout=rendezvous.lease_timeout,
             claim=request.claim,
             consumer=consumer,
+            windows=windows,
         )
+        if windows is not None:
+            self.windowed_leases += 1
         return encode(
             Rdma(
                 lease.lease_id,
@@ -146,6 +201,7 @@ class OwnerService:
                 relay_node=relay.node if relay else "",
                 relay_worker=relay.worker if relay else 0,
                 unclaimed=_unclaimed(request, slot),
+                window_bytes=windows.window_bytes if windows is not None else 0,
             )
         )
 
@@ -253,6 +309,47 @@ class OwnerService:
         request = decode(LeaseRenewRequest, data)
         with self.core.lock:
             self.core.state.store.renew(request.handle, request.lease_id, self.core.clock())
+
+    def _rv_window(self, data: bytes) -> bytes:
+        """Window ``index`` of a plain slot, registered for the RDMA lease that opened the
+        window set (renewed), after unregistering the window its GET finished.
+
+        Raises:
+            HandleNotFound, LeaseNotFound: the handle or the lease ended (the window set was
+                closed with it: nothing more is registered for it).
+            ProtocolError: the lease has no windows, or the index is out of range.
+        """
+        request = decode(WindowRequest, data)
+        nonblocking.check("registering a window")  # UCX calls: on a thread
+        core = self.core
+        with core.lock:
+            windows = core.state.store.lease_windows(request.handle, request.lease_id)
+            core.state.store.renew(request.handle, request.lease_id, core.clock())
+        if not isinstance(windows, WindowSet):
+            raise ProtocolError(f"lease {request.lease_id} of {request.handle} has no windows")
+        if not -1 <= request.index < windows.count:
+            raise ProtocolError(f"window {request.index} of {windows.count}")
+        windows.done_through(request.done)
+        if request.index < 0:  # only done with them (a held lease keeps none registered)
+            return encode(WindowAnswer())
+        registration, address, nbytes = windows.window(request.index)
+        self.windows_registered += 1
+        descriptor = core.rdma.descriptor(registration, address, nbytes) if core.rdma else None
+        if not descriptor:
+            raise ProtocolError(f"window {request.index} of {request.handle} did not encode")
+        return encode(WindowAnswer(descriptor))
+
+
+def _windowable(slot: Slot) -> bool:
+    """A slot in the agent's plain memory whose producer asked for registered memory (not a
+    region, not empty, not demoted at shutdown): a window set can register ranges of it."""
+    return (
+        slot.windowable
+        and not slot.pinned
+        and slot.total_len > 0
+        and not isinstance(slot.location, RegionSlot)
+        and hasattr(slot.location, "address")
+    )
 
 
 def _unclaimed(request: AcquireRequest, slot: Slot) -> int:

@@ -98,6 +98,7 @@ class Pending:
     slot_id: int
     fills: int = 0  # fetches writing into it now (a PinnedWriter destination)
     abort_when_idle: bool = False
+    wants_rdma: bool = False  # asked for registered memory (plain: the budget said no)
 
 
 @dataclass(slots=True)
@@ -107,10 +108,12 @@ class Effects:
     ``free``: (buffer, pinned) pairs to give back to the pinned or plain pool, in order.
     ``anchors``: region in-flight anchors to release. ``poke``: a deadline may have moved:
     let the timer look again. ``copy_ends``: (handle, node, worker) of copies on other nodes
-    whose agents must hear that the handle ended.
+    whose agents must hear that the handle ended. ``windows``: window sets of ended RDMA
+    leases (``ray_velo.memory.windows``), closed before anything in ``free`` goes back.
     """
 
     free: list[tuple[Buffer, bool]] = field(default_factory=list)
+    windows: list[Any] = field(default_factory=list)
     anchors: list[Any] = field(default_factory=list)
     poke: bool = False
     copy_ends: list[tuple[DataHandle, str, int]] = field(default_factory=list)
@@ -204,12 +207,20 @@ class OwnerState:
     # --- producers -------------------------------------------------------------------
 
     def reserve(
-        self, buffer: Buffer | None, kind: SlotKind, pinned: bool, pid: int
+        self,
+        buffer: Buffer | None,
+        kind: SlotKind,
+        pinned: bool,
+        pid: int,
+        *,
+        wants_rdma: bool = False,
     ) -> tuple[int, Pending]:
         """Hold ``buffer`` for a producer (pid) until it commits or aborts. Returns the
-        reservation id and record (whose ``slot_id`` the handle will have)."""
+        reservation id and record (whose ``slot_id`` the handle will have). ``wants_rdma``:
+        the producer asked for registered memory (a plain slot then takes windows)."""
         rid = next(self._reservation_ids)
         pending = Pending(buffer, kind, pinned, pid, self.store.reserve_slot_id())
+        pending.wants_rdma = wants_rdma
         if buffer is not None:
             self._hold(buffer, f"reservation:{rid}")
         self._reservations[rid] = pending
@@ -256,6 +267,7 @@ class OwnerState:
             raise
         if pending.buffer is not None:
             self._move(pending.buffer, f"reservation:{rid}", f"slot:{pending.slot_id}")
+            self.store.slot(handle).windowable = pending.wants_rdma and not pending.pinned
         fx.poke = fx.poke or ttl is not None
         if follow_producer and pending.pid:
             self._follow(pending.pid, handle)

@@ -45,6 +45,8 @@ WIRE_METHODS = (
     "_rv_copy",
     "_rv_relay",
     "_rv_relay_end",
+    # windows of plain slots (appended, as above)
+    "_rv_window",
 )
 _METHOD_INDEX = {name: index for index, name in enumerate(WIRE_METHODS)}
 #: After the length: the method (request) or status (answer), and the call id.

@@ -15,6 +15,12 @@ keep its copy until the handle ends (``Rdma.announce``), and may point a later c
 that copy (``Rdma.relay_*``), which it reads as it fills with ``_rv_relay`` (RelayRequest ->
 RelayProgress) on the copy's agent and ends with ``_rv_relay_end``. ``_rv_copy``
 (CopyNotice) says a copy is gone, or (from the owner) that the handle ended.
+
+Windows (not in the spec; the defaults are the spec's behaviour): a consumer that can GET a
+payload one registered window at a time says so in its offer (``RdmaOffer.windows``); an
+owner whose slot is in plain memory may then answer RDMA with ``Rdma.window_bytes`` and no
+descriptor, and the consumer asks for each window's descriptor with ``_rv_window``
+(WindowRequest -> WindowAnswer), saying which window it finished.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ __all__ = [
     "RelayRequest",
     "ReleaseRequest",
     "TypeHeader",
+    "WindowAnswer",
+    "WindowRequest",
     "decode",
     "decode_acquire_response",
     "encode",
@@ -59,9 +67,14 @@ NULL_HANDLE = DataHandle(0, 0)
 
 @dataclass(frozen=True, slots=True)
 class RdmaOffer:
-    """What a consumer can GET with: the backend names it has an endpoint for."""
+    """What a consumer can GET with: the backend names it has an endpoint for.
+
+    ``windows``: it can GET a payload staged in plain memory through windows the owner
+    registers one after another (``_rv_window``). False, as before the field existed.
+    """
 
     backends: tuple[str, ...] = ("ucx",)
+    windows: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +173,9 @@ class Rdma:
             filled or complete: read it as it fills (``_rv_relay`` on that agent, which
             answers where the bytes are) instead of ``descriptor``. ``descriptor`` stays
             valid under this lease: whatever the copy cannot give, GET from the owner.
+        window_bytes: not 0: the slot is in plain memory and ``descriptor`` is empty; the
+            consumer GETs it window by window (bytes ``[i * window_bytes, ...)``), asking
+            for each window's descriptor with ``_rv_window``. 0, as before the field existed.
     """
 
     lease_id: int = 0
@@ -171,6 +187,7 @@ class Rdma:
     relay_node: str = ""
     relay_worker: int = 0
     unclaimed: int = -1
+    window_bytes: int = 0
 
 
 AcquireResponse = Ready | Rdma
@@ -267,6 +284,25 @@ class RelayEnd:
 
     handle: DataHandle = NULL_HANDLE
     lease_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRequest:
+    """``_rv_window``: register window ``index`` of ``handle``'s slot for the RDMA lease
+    ``lease_id`` (renewing it) and answer its descriptor; first unregister every window up
+    to ``done`` (-1: none), whose GETs completed. ``index`` -1: only that."""
+
+    handle: DataHandle = NULL_HANDLE
+    lease_id: int = 0
+    index: int = 0
+    done: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class WindowAnswer:
+    """The ``_rv_window`` answer: the descriptor of the window (its bytes only)."""
+
+    descriptor: bytes = b""
 
 
 Message = TypeVar("Message")

@@ -17,7 +17,13 @@ names the reason label recorded in ``velo_rendezvous_rdma_path_total{path="chunk
 ====  ===============================================================  ===============
 
 Check 8 builds the descriptor, so it is a callable the owner passes in; everything else is
-a plain fact. The consumer's offer comes from three local facts and asks the owner nothing.
+a plain fact.
+
+Windows (not in the spec): a slot in plain memory passes check 4 when the consumer offered
+windows (``OwnerFacts.windowed``); check 8 then opens its window set (a second callable, which
+charges the budget for the windows) instead of building a descriptor, and refuses with
+``not_pinned`` when the budget cannot take them: a payload that gets no registered memory at
+all still falls back, counted. The consumer's offer comes from three local facts and asks the owner nothing.
 """
 
 from __future__ import annotations
@@ -68,27 +74,36 @@ class OwnerFacts:
     rdma_min_bytes: int
     draining: bool
     backend: str = "ucx"
+    windowed: bool = False  # a plain slot, and the offer says the consumer takes windows
 
 
 @dataclass(frozen=True, slots=True)
 class PathDecision:
-    """The path, the reason label, and the descriptor bytes when the path is RDMA."""
+    """The path, the reason label, and the descriptor bytes when the path is RDMA (none
+    when ``windowed``: the consumer asks for each window's)."""
 
     path: Path
     reason: str
     descriptor: bytes = b""
+    windowed: bool = False
 
 
-def decide_path(facts: OwnerFacts, build_descriptor: Callable[[], bytes | None]) -> PathDecision:
+def decide_path(
+    facts: OwnerFacts,
+    build_descriptor: Callable[[], bytes | None],
+    open_windows: Callable[[], bool] = lambda: False,
+) -> PathDecision:
     """Run the eight checks in order. ``build_descriptor`` runs only if checks 1-7 pass;
-    it returns the encoded descriptor, or None when the staging is gone (check 8)."""
+    it returns the encoded descriptor, or None when the staging is gone (check 8). For a
+    windowed slot ``open_windows`` runs instead: False when no window can be registered."""
     if facts.offer is None:
         return PathDecision("chunked", "no_offer")
     if not facts.has_registry:
         return PathDecision("chunked", "not_configured")
     if not facts.rdma_enabled:
         return PathDecision("chunked", "kill_switch")
-    if not facts.slot_pinned:
+    windowed = not facts.slot_pinned and facts.windowed
+    if not facts.slot_pinned and not windowed:
         return PathDecision("chunked", "not_pinned")
     if facts.total_len < facts.rdma_min_bytes:
         return PathDecision("chunked", "below_min")
@@ -96,6 +111,10 @@ def decide_path(facts: OwnerFacts, build_descriptor: Callable[[], bytes | None])
         return PathDecision("chunked", "no_offer")
     if facts.draining:
         return PathDecision("chunked", "draining")
+    if windowed:
+        if not open_windows():
+            return PathDecision("chunked", "not_pinned")
+        return PathDecision("rdma", "ok", windowed=True)
     try:
         descriptor = build_descriptor()
     except DescriptorError:
@@ -114,9 +133,15 @@ class ConsumerOffer:
 
 
 def build_offer(
-    has_registry: bool, rdma_enabled: bool, peer_registered: bool, backend: str = "ucx"
+    has_registry: bool,
+    rdma_enabled: bool,
+    peer_registered: bool,
+    backend: str = "ucx",
+    *,
+    windows: bool = False,
 ) -> ConsumerOffer:
-    """The consumer's offer from its three local facts.
+    """The consumer's offer from its three local facts; ``windows``: it can GET through
+    windows (it reaches the owner's ``_rv_window``).
 
     A peer not registered yet (cold start) gets no offer: the first transfer from an unknown
     owner pulls chunks, later ones take the RDMA path.
@@ -127,4 +152,4 @@ def build_offer(
         return ConsumerOffer(None, "kill_switch")
     if not peer_registered:
         return ConsumerOffer(None, "no_offer")
-    return ConsumerOffer(RdmaOffer(backends=(backend,)), None)
+    return ConsumerOffer(RdmaOffer(backends=(backend,), windows=windows), None)

@@ -1,0 +1,123 @@
+"""The consumer's end of a windowed GET (:mod:`ray_velo.memory.windows`): asking the owner for
+each window of a plain slot one step ahead of the GETs, so the link never waits for a round
+trip.
+
+A :class:`WindowFeed` sends ``_rv_window`` calls from its own thread, in the order asked, and
+keeps their answers (a checked descriptor, or what went wrong) for :meth:`WindowFeed.take`.
+The GET loop asks for window ``i + 1`` (saying window ``i - 1`` is done) before it GETs window
+``i``: the owner registers the next window while the current one moves, and never holds more
+than two. The thread ends with the GET (:meth:`WindowFeed.close`); each call is bounded, so
+it cannot outlive the GET by more than one call's bound.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ray_velo.consumer.deadline import Deadline
+from ray_velo.consumer.links import OwnerLink
+from ray_velo.errors import DescriptorError, ProtocolError, UcxError, VeloError
+from ray_velo.protocol import DataHandle, WindowAnswer, WindowRequest, decode, encode
+
+__all__ = ["WINDOW_CALL_S", "WindowFeed"]
+
+#: The most one ``_rv_window`` call may take (the owner only registers a window).
+WINDOW_CALL_S = 10.0
+
+
+class WindowFeed:
+    """Window descriptors of one windowed GET, asked ahead (see the module docstring)."""
+
+    def __init__(
+        self,
+        link: OwnerLink,
+        handle: DataHandle,
+        lease_id: int,
+        rdma: Any,
+        window_bytes: int,
+        total_len: int,
+    ) -> None:
+        self._link = link
+        self._handle = handle
+        self._lease_id = lease_id
+        self._rdma = rdma
+        self._window_bytes = window_bytes
+        self._total_len = total_len
+        self._cond = threading.Condition(threading.Lock())
+        self._asked: list[tuple[int, int, float]] = []  # (index, done, until)
+        self._answers: dict[int, Any] = {}  # index -> RdmaDescriptor or the exception
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ray_velo-windows", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> WindowFeed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ask(self, index: int, done: int, until: float) -> None:
+        """Ask for window ``index`` (after the owner unregisters ``done``; -1: none), to be
+        answered before the monotonic ``until``."""
+        with self._cond:
+            self._asked.append((index, done, until))
+            self._cond.notify_all()
+
+    def take(self, index: int, until: float) -> Any:
+        """The checked descriptor of window ``index`` (asked before), waiting until ``until``.
+
+        Raises:
+            UcxError: the owner did not register it (the lease ended, the owner is gone, a
+                malformed answer) or no answer came in time: the GET fails, and the fetch
+                falls back to chunks, where the owner says what became of the handle.
+        """
+        with self._cond:
+            while index not in self._answers:
+                left = until - time.monotonic()
+                if left <= 0:
+                    raise _failed(f"no descriptor for window {index} in time")
+                self._cond.wait(left)
+            answer = self._answers.pop(index)
+        if isinstance(answer, BaseException):
+            raise _failed(f"window {index}: {answer}") from answer
+        return answer
+
+    def close(self) -> None:
+        """End the thread (after the call it may be in, bounded by :data:`WINDOW_CALL_S`)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(WINDOW_CALL_S + 1.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._asked and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                index, done, until = self._asked.pop(0)
+            answer = self._call(index, done, until)
+            with self._cond:
+                self._answers[index] = answer
+                self._cond.notify_all()
+
+    def _call(self, index: int, done: int, until: float) -> Any:
+        left = min(max(until - time.monotonic(), 0.001), WINDOW_CALL_S)
+        request = WindowRequest(self._handle, self._lease_id, index, done)
+        try:
+            data = self._link.call(
+                "_rv_window", encode(request), Deadline.start(left), self._handle
+            )
+            blob = decode(WindowAnswer, data).descriptor
+            start = index * self._window_bytes
+            length = min(self._total_len, start + self._window_bytes) - start
+            return self._rdma.decode(blob, length)
+        except (VeloError, DescriptorError, ProtocolError, OSError) as exc:
+            return exc
+
+
+def _failed(why: str) -> UcxError:
+    return UcxError(operation="_rv_window", status=-1, status_text=why)
