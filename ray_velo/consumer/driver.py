@@ -331,8 +331,10 @@ class _Run:
         until = time.monotonic() + timeout
         relayed = False
         # A copy nobody else can claim a reference for is neither kept nor relayed.
-        # (a plain destination cannot be read by other nodes: it is not registered)
-        wanted = answer.announce and answer.unclaimed != 0 and self.dest.windows is None
+        wanted = answer.announce and answer.unclaimed != 0
+        if wanted and self.dest.windows is not None:  # plain: no other node can GET it
+            self.link.send("_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id))
+            wanted = False
         if wanted and self.dest.fid is not None and self.machine.mode != "hold":
             with core.lock:
                 relayed = core.state.relay_open(self.handle, self.dest.fid, answer.total_len)

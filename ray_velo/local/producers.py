@@ -57,7 +57,11 @@ class ProducerService:
                     fx.free.append((placement, registered))
                 core.check_open()
             rid, pending = core.state.reserve(
-                placement, kind, registered, pid, wants_rdma=pinned  # type: ignore[arg-type]
+                placement,
+                kind,  # type: ignore[arg-type]
+                registered,
+                pid,
+                wants_rdma=pinned,
             )
             core.commits.expect(pending.slot_id)
         handle = core.handle(pending.slot_id)

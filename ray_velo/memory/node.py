@@ -72,10 +72,14 @@ class NodeMemory:
                 stale.nbytes,
             )
         pool_config = config.rdma.pool
+        node_budget = _node_budget(config.shm_dir)
         budget = pool_config.registered_bytes_budget
         if budget is None:
-            budget = _node_budget(config.shm_dir)
+            budget = node_budget
         warm = pool_config.warm_dedicated_bytes
+        # Plain memory is not registered: a budget set low (so that large payloads move
+        # through windows) must not make every large plain arena a fresh, faulting mapping.
+        plain_warm = max(budget, node_budget) if warm is None else warm
         pool_config = dataclasses.replace(
             pool_config,
             registered_bytes_budget=budget,
@@ -98,7 +102,7 @@ class NodeMemory:
                 registered_bytes_budget=1 << 62,
                 arena_reclaim_after=pool_config.arena_reclaim_after,
                 retain_arena_bytes=pool_config.retain_arena_bytes,
-                warm_dedicated_bytes=pool_config.warm_dedicated_bytes,
+                warm_dedicated_bytes=plain_warm,
             ),
             config.shm_dir,
             owner_tag,

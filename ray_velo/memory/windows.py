@@ -83,13 +83,22 @@ class WindowSet:
         return start, min(self.nbytes, start + self.window_bytes)
 
     def open(self) -> bool:
-        """Charge the budget for ``depth`` windows; False (nothing charged) when it cannot."""
+        """Charge the budget for ``depth`` windows, once; False (nothing charged) when it
+        cannot, or when the set was closed already."""
+        with self._lock:
+            if self._charged:
+                raise RuntimeError("a window set opens once")
+            if self._closed:
+                return False
         charge = self.charge_bytes()
         if not self._budget.reserve(charge):
             return False
         with self._lock:
-            self._charged = charge
-        return True
+            if not self._closed:
+                self._charged = charge
+                return True
+        self._budget.release(charge)  # closed meanwhile: the charge has no owner
+        return False
 
     @property
     def live(self) -> int:

@@ -109,3 +109,48 @@ def test_a_payload_that_cannot_be_registered_still_arrives_by_chunks(velo: None)
         assert fetches.get("chunked", 0) == fetches_before.get("chunked", 0) + 1
     finally:
         restart_agent("node_a", TEST_CONFIG)
+
+
+#: Budgets far below the payload on both nodes: the owner stages it in plain memory and the
+#: consumer's destination is plain too; both register 64 MiB windows of it as it moves.
+SMALL_BUDGET = VeloConfig(
+    chunk_size=16 * MiB,
+    plain_arena_bytes=16 * MiB,
+    rdma=RdmaConfig(pool=RdmaPoolConfig(registered_bytes_budget=256 * MiB)),
+)
+
+
+@pytest.fixture()
+def small_budget_agents(velo: None) -> Iterator[None]:
+    for node in ("node_a", "node_b"):
+        restart_agent(node, SMALL_BUDGET)
+    yield
+    for node in ("node_a", "node_b"):
+        restart_agent(node, TEST_CONFIG)
+
+
+def test_a_payload_above_the_budget_crosses_by_get_through_windows(
+    small_budget_agents: None,
+) -> None:
+    """1 GiB against a 256 MiB budget on each node: staged plain (``chunked/budget`` at
+    staging), then moved by GETs through registered windows (``rdma/ok`` on both ends), the
+    bytes right, each node's registered bytes within its budget throughout, and every
+    window unregistered once the handle is gone."""
+    size = 1 * GiB + 12345  # a short last window
+    payload = pattern(size)
+    crc = zlib.crc32(payload.data)
+    owner_before, consumer_before = path_counts("node_a"), path_counts("node_b")
+    with RegisteredPeak() as registered:
+        handle = rv.put(payload)
+        del payload
+        assert ray.get(crc_on_b.remote(handle), timeout=600) == crc
+    assert moved(consumer_before, path_counts("node_b")) == {"rdma/ok": 1}
+    assert moved(owner_before, path_counts("node_a")) == {"chunked/budget": 1, "rdma/ok": 1}
+    owner, consumer = agent_info("node_a"), agent_info("node_b")
+    assert owner["windowed_leases"] == 1 and owner["windows_registered"] == 17
+    assert consumer["windowed_gets"] == 1
+    for node, peak in registered.peak.items():
+        assert 0 < peak <= registered.budget[node] == 256 * MiB, (node, peak)
+    wait_until_freed(handle)
+    # the owner's windows closed with the lease: only its pooled arena stays registered
+    assert agent_info("node_a")["registered_bytes"] <= 64 * MiB
