@@ -186,6 +186,13 @@ def _status(args: argparse.Namespace) -> int:
         )
         for key, count in sorted(status["paths"].items()):
             print(f"    path {key}: {count}")
+        for slot in status.get("detached", []):
+            ttl = slot["ttl_left_s"]
+            print(
+                f"    detached slot {slot['slot']}: {slot['bytes']} B from job {slot['job'] or '?'}"
+                f", refcount {slot['refcount']}, "
+                + ("no TTL" if ttl is None else f"TTL in {ttl:.0f} s")
+            )
     return 0
 
 
