@@ -183,6 +183,7 @@ def _status(args: argparse.Namespace) -> int:
             f"\n    slots={status['live_slots']} leases={status['live_leases']} "
             f"staged={status['staged_bytes']} B registered={status['registered_bytes']} B "
             f"of {status['budget_bytes']} B{' (draining)' if status['draining'] else ''}"
+            f" jobs_followed={status.get('jobs_followed', 0)}"
         )
         for key, count in sorted(status["paths"].items()):
             print(f"    path {key}: {count}")
