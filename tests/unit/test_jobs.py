@@ -346,3 +346,18 @@ def test_the_stated_bound_is_one_period_and_one_look() -> None:
     watch = JobWatch(FakeJobs(), period_s=JOB_POLL_S)
     assert watch.look({JOB_A}, 10.0) == set()
     assert watch.due_at == 10.0 + JOB_POLL_S
+
+
+def test_status_lists_the_detached_slots_with_their_job(pair: AgentPair) -> None:
+    """``ray-velo status`` shows what outlives its job: the detached slots, with the job that
+    staged them and their TTL; a job's own slots are counted as followed, not listed."""
+    shared = pair.put(payload(MiB), job=JOB_A, lifetime="detached", ttl=30.0)
+    own = pair.put(payload(MiB), job=JOB_A)
+    status = pair.owner.status()
+    assert status["jobs_followed"] == 1
+    assert status["detached"] == [
+        {"slot": shared.slot_id, "bytes": MiB, "job": JOB_A, "refcount": 1, "ttl_left_s": 30.0}
+    ]
+    for handle in (shared, own):
+        assert pair.fetch(handle) == payload(MiB)
+    assert pair.owner.status()["detached"] == []
