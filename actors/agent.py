@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_velo import metrics
+from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.peers import PeerDirectory, Peers
@@ -105,6 +106,16 @@ def process_stats(shm_dir: str) -> dict[str, int]:
     return stats
 
 
+def _detached_slots(slots: Any, now: float) -> list[dict[str, Any]]:
+    """The live slots staged ``lifetime="detached"`` (they outlive their job): slot id,
+    bytes, the job that staged it, references, and seconds left of its TTL (None: none)."""
+    return [
+        {"slot": s.slot_id, "bytes": s.total_len, "job": s.job, "refcount": s.refcount,
+         "ttl_left_s": None if s.ttl_deadline is None else round(s.ttl_deadline - now, 3)}
+        for s in slots if s.detached and s.ended is None
+    ]  # fmt: skip
+
+
 def _ray_worker_id() -> str:
     """This process's Ray worker id (the WorkerId label of its exported metrics), or ""."""
     try:
@@ -146,10 +157,12 @@ class RendezvousAgent:
         peers: Peers | None = None,
         clock: Callable[[], float] = time.monotonic,
         timer: bool = True,
+        jobs: JobTable | None = None,
     ) -> None:
-        """An agent for ``node_id``. The keyword arguments are for ``ray_velo.testing``: an
-        RDMA backend in place of UCX (None: none), a peer directory, a clock, and no timer
-        thread (the test calls :meth:`tick`)."""
+        """An agent for ``node_id``. ``jobs``: Ray's job table, for staged data to follow
+        its job (None: no handle ends with its job). The other keyword arguments are for
+        ``ray_velo.testing``: an RDMA backend in place of UCX (None: none), a peer directory,
+        a clock, and no timer thread (the test calls :meth:`tick`)."""
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
         rdma_enabled = config.rdma.rendezvous.enabled and not kill_switch_engaged(os.environ)
         agent_metrics = metrics.AgentMetrics(node_id)
@@ -172,6 +185,7 @@ class RendezvousAgent:
         self.consumer = ConsumerService(core, peers or self.peers, self.owner)
         if peers is None:
             core.tell_copy_ends = self.peers.tell_copy_ends
+        self.jobs = None if jobs is None else JobWatch(jobs)
         self._gauges_due = -math.inf
         self._refresh_gauges(clock())  # every gauge set from the start
         self._ticker: Ticker | None = None
@@ -191,7 +205,7 @@ class RendezvousAgent:
             store = core.state.store
             slots = [
                 {"slot": s.slot_id, "kind": s.kind, "bytes": s.total_len, "refcount": s.refcount,
-                 "leases": len(s.leases), "ended": s.ended}
+                 "leases": len(s.leases), "ended": s.ended, "job": s.job, "detached": s.detached}
                 for s in list(store.slots())[:32]
             ]  # fmt: skip
             return {
@@ -213,6 +227,8 @@ class RendezvousAgent:
                 "reservations": core.state.reservations,
                 "counters": dataclasses.asdict(store.counters),
                 "slots": slots,
+                "jobs_followed": sorted(core.state.followed_jobs()),
+                "job_watch": {} if self.jobs is None else self.jobs.counters(),
                 "copies": core.state.copies,
                 "relay_readers": core.state.relay_readers,
                 "relay_renewals": self.consumer.relays.renewals,
@@ -230,7 +246,8 @@ class RendezvousAgent:
 
     def status(self) -> dict[str, Any]:
         """The operator's summary (``ray-velo status --json``): identity, the transport,
-        memory, slots and leases, and the path counters."""
+        memory, slots and leases, the jobs followed and the detached slots (they outlive
+        their job), and the path counters."""
         core = self.core
         with core.lock:
             store = core.state.store
@@ -246,6 +263,8 @@ class RendezvousAgent:
                 "staged_bytes": store.staged_bytes,
                 "fetches_in_flight": self.consumer.inflight,
                 "draining": store.draining,
+                "jobs_followed": len(core.state.followed_jobs()),
+                "detached": _detached_slots(store.slots(), core.clock()),
             }
         status["ray_worker_id"] = _ray_worker_id()
         status["process"] = process_stats(core.config.shm_dir)
@@ -295,10 +314,10 @@ class RendezvousAgent:
 
     def stage_commit(
         self, reservation_id: int, nbytes: int, type_header: TypeHeader, ttl: float | None,
-        refcount: int, follow_producer: bool = False,
+        refcount: int, follow_producer: bool = False, job: str = "", detached: bool = False,
     ) -> DataHandle:  # fmt: skip
         return self.producers.commit(
-            reservation_id, nbytes, type_header, ttl, refcount, follow_producer
+            reservation_id, nbytes, type_header, ttl, refcount, follow_producer, job, detached
         )
 
     def stage_abort(self, reservation_id: int) -> None:
@@ -353,9 +372,10 @@ class RendezvousAgent:
         return self.regions.alloc(nbytes, pid)
 
     def region_stage(
-        self, region_id: int, start: int, stop: int, type_header: TypeHeader, ttl: float | None
-    ) -> DataHandle:
-        return self.regions.stage(region_id, start, stop, type_header, ttl)
+        self, region_id: int, start: int, stop: int, type_header: TypeHeader, ttl: float | None,
+        job: str = "", detached: bool = False,
+    ) -> DataHandle:  # fmt: skip
+        return self.regions.stage(region_id, start, stop, type_header, ttl, job, detached)
 
     def region_unregister(self, region_id: int, timeout_s: float) -> str:
         return self.regions.unregister(region_id, timeout_s)
@@ -411,6 +431,7 @@ class RendezvousAgent:
                 core.commits.landed(slot_id)
             self.consumer.return_claims(reaped.unclaim)
             self.regions.reap(dead)
+        due.append(self._end_jobs(now))
         if core.memory.warm_up_wanted:
             core.memory.warm_up(now)  # outside every caller's send (spec: never in a send)
         due += core.memory.reclaim(now)
@@ -418,6 +439,25 @@ class RendezvousAgent:
             core.rdma.reap_idle_endpoints(now)
             due.append(core.rdma.next_reap_due(now))
         return min((d for d in due if d is not None), default=None)
+
+    def _end_jobs(self, now: float) -> float | None:
+        """While a live handle here follows a Ray job, look at Ray's job table once a period
+        and end the handles of the jobs that ended (actors/jobs.py). Says when next."""
+        watch, core = self.jobs, self.core
+        if watch is None:
+            return None
+        with core.lock:
+            jobs = core.state.followed_jobs()
+        if not jobs:
+            return None  # an idle agent asks nothing
+        if now < watch.due_at:
+            return watch.due_at
+        dead = watch.look(jobs, now)  # outside the lock: a GCS call
+        if dead:
+            with core.changing() as fx:
+                ended = sum(core.state.end_job(job, core.clock(), fx) for job in dead)
+            _log.info("ray_velo: jobs %s ended; %d staged handles of theirs ended", dead, ended)
+        return watch.due_at
 
     def _refresh_gauges(self, now: float) -> float:
         """Re-set every gauge when due (Ray drops a gauge nobody sets); says when next."""

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_velo import nonblocking
 from ray_velo.actors.agent import RendezvousAgent
+from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
 from ray_velo.errors import StagingError
@@ -102,7 +103,7 @@ class _RendezvousActor:
     def __init__(self, config: VeloConfig, node_id: str) -> None:
         # The blocking calls run on our own threads, never on the event loop.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-        self.agent = RendezvousAgent(config, node_id)
+        self.agent = RendezvousAgent(config, node_id, jobs=RayJobTable())
         self.worker_id = self.agent.worker_id
         self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
         self._threads_closed = False

@@ -35,7 +35,7 @@ from ray_velo.actors.directory import (
     load_cluster_config,
     store_cluster_config,
 )
-from ray_velo.config import VeloConfig
+from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import RegionDeregistered
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.payload import from_bytes_view
@@ -155,8 +155,15 @@ def shutdown(*, stop_ray: bool | None = None) -> dict[str, dict[str, int]]:
 # --- staging ---------------------------------------------------------------------------
 
 
-def put(obj: Any, *, pinned: bool = True, ttl: float | None = None) -> DataHandle:
+def put(
+    obj: Any, *, pinned: bool = True, ttl: float | None = None, lifetime: str | None = None
+) -> DataHandle:
     """Stage ``obj`` on this node's agent and return its handle (refcount 1).
+
+    The handle ends with the Ray job that staged it (this driver's, or the job of the task
+    or actor calling put): when that job ends, every agent frees its data within seconds
+    (docs/deployment.md, "Staged data follows its job"), and a later fetch raises
+    ``HandleNotFound`` saying its job ended.
 
     Args:
         obj: a numpy array (any dtype/shape; non-contiguous is made contiguous), a bytes-like
@@ -164,22 +171,27 @@ def put(obj: Any, *, pinned: bool = True, ttl: float | None = None) -> DataHandl
         pinned: stage in RDMA-registered memory when possible (never fails for lack of it).
         ttl: end the handle this many seconds after staging, whatever its leases (views
             already handed out keep their bytes).
+        lifetime: ``"detached"`` to share the data across jobs on purpose: it outlives its
+            job until released or its TTL fires (``ray-velo status`` lists it). None: it
+            ends with its job.
 
     Raises:
         UnsupportedPayload: ``obj`` is of another type.
         SharedMemoryTooSmall: the node's shm directory cannot hold the payload.
+        ConfigError: ``ttl`` or ``lifetime`` is invalid.
     """
-    return session.stage(obj, pinned=pinned, ttl=ttl)
+    return session.stage(obj, pinned=pinned, ttl=ttl, lifetime=lifetime)
 
 
-def register_data(data: Any) -> DataHandle:
-    """Stage bytes in plain (unregistered) memory. Refcount 1."""
-    return session.stage(data, pinned=False, ttl=None)
+def register_data(data: Any, *, lifetime: str | None = None) -> DataHandle:
+    """Stage bytes in plain (unregistered) memory. Refcount 1; ``lifetime`` as in :func:`put`."""
+    return session.stage(data, pinned=False, ttl=None, lifetime=lifetime)
 
 
-def register_data_pinned(data: Any) -> DataHandle:
-    """Copy bytes into registered pool memory; falls back to plain memory, never fails."""
-    return session.stage(data, pinned=True, ttl=None)
+def register_data_pinned(data: Any, *, lifetime: str | None = None) -> DataHandle:
+    """Copy bytes into registered pool memory; falls back to plain memory, never fails.
+    ``lifetime`` as in :func:`put`."""
+    return session.stage(data, pinned=True, ttl=None, lifetime=lifetime)
 
 
 # --- reading ---------------------------------------------------------------------------
@@ -461,15 +473,26 @@ def alloc_region(nbytes: int) -> RegionGuard:
 
 
 def register_data_in_region(
-    guard: RegionGuard, start: int, stop: int, *, ttl: float | None = None
+    guard: RegionGuard,
+    start: int,
+    stop: int,
+    *,
+    ttl: float | None = None,
+    lifetime: str | None = None,
 ) -> DataHandle:
-    """Stage bytes ``[start, stop)`` of ``guard``'s memory with no copy.
+    """Stage bytes ``[start, stop)`` of ``guard``'s memory with no copy. ``lifetime`` as in
+    :func:`put`.
 
     Raises:
         RegionDeregistered: the region is being (or was) unregistered.
         ValueError: the range is outside the region.
+        ConfigError: ``lifetime`` is invalid.
     """
     if not 0 <= start <= stop <= guard.nbytes:
         raise ValueError(f"range [{start}, {stop}) outside region of {guard.nbytes} bytes")
-    ref = guard._agent.region_stage.remote(guard.region_id, start, stop, TypeHeader(), ttl)
+    detached = check_lifetime(lifetime)
+    job, in_detached_actor = session.staging_job()
+    ref = guard._agent.region_stage.remote(
+        guard.region_id, start, stop, TypeHeader(), ttl, job, detached or in_detached_actor
+    )
     return session.call(ref)  # type: ignore[no-any-return]

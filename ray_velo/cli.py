@@ -183,9 +183,17 @@ def _status(args: argparse.Namespace) -> int:
             f"\n    slots={status['live_slots']} leases={status['live_leases']} "
             f"staged={status['staged_bytes']} B registered={status['registered_bytes']} B "
             f"of {status['budget_bytes']} B{' (draining)' if status['draining'] else ''}"
+            f" jobs_followed={status.get('jobs_followed', 0)}"
         )
         for key, count in sorted(status["paths"].items()):
             print(f"    path {key}: {count}")
+        for slot in status.get("detached", []):
+            ttl = slot["ttl_left_s"]
+            print(
+                f"    detached slot {slot['slot']}: {slot['bytes']} B from job {slot['job'] or '?'}"
+                f", refcount {slot['refcount']}, "
+                + ("no TTL" if ttl is None else f"TTL in {ttl:.0f} s")
+            )
     return 0
 
 

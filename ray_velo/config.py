@@ -19,12 +19,14 @@ from ray_velo.errors import ConfigError
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_THRESHOLD",
+    "DETACHED",
     "SPEC_CHUNK_SIZE",
     "RdmaConfig",
     "RdmaPoolConfig",
     "RdmaRendezvousConfig",
     "UcxConfig",
     "VeloConfig",
+    "check_lifetime",
 ]
 
 KiB = 1 << 10
@@ -48,6 +50,29 @@ LEASE_TIMEOUT_FLOOR_S = 0.001
 LEASE_TIMEOUT_MAX_S = 1e15
 #: ``ep_idle_timeout`` rises to this (spec: floor 500 ms).
 EP_IDLE_TIMEOUT_FLOOR_S = 0.5
+
+
+#: ``lifetime=DETACHED``: staged data outlives the Ray job that staged it (shared across jobs
+#: on purpose); it lives until released or its TTL fires. Ray's word for such actors.
+DETACHED = "detached"
+
+
+def check_lifetime(lifetime: object) -> bool:
+    """Whether ``lifetime`` asks for detached data (None: the data follows its Ray job).
+
+    Raises:
+        ConfigError: ``lifetime`` is neither None nor ``"detached"``.
+    """
+    if lifetime is None:
+        return False
+    if lifetime == DETACHED and isinstance(lifetime, str):
+        return True
+    raise ConfigError(
+        field="lifetime",
+        value=lifetime,
+        rule='must be None (the data ends with its Ray job) or "detached" (it outlives its '
+        "job until released or its TTL fires)",
+    )
 
 
 def _positive(obj: object, name: str) -> None:

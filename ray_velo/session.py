@@ -29,7 +29,7 @@ import ray
 from ray import exceptions as ray_errors
 
 from ray_velo.calls import clear_ray_frames, wait
-from ray_velo.config import VeloConfig
+from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
 from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel
 from ray_velo.local.records import LocalLease, Reservation
@@ -52,6 +52,7 @@ __all__ = [
     "release_soon",
     "segment_view",
     "stage",
+    "staging_job",
     "view_of",
 ]
 
@@ -210,6 +211,23 @@ def copy_into(dest: np.ndarray[Any, Any], source: np.ndarray[Any, Any]) -> None:
         helper.join()
 
 
+def staging_job() -> tuple[str, bool]:
+    """The Ray job this process stages for (hex; "" outside Ray), and whether a detached
+    actor roots its work: Ray keeps a detached actor (and the tasks it starts) past the job
+    that created it, so what it stages outlives that job too."""
+    try:
+        job = ray.get_runtime_context().get_job_id()
+    except Exception:  # Ray not initialized (ray_velo.testing): no job to follow
+        return "", False
+    try:
+        worker: Any = ray._private.worker.global_worker
+        core_worker = worker.core_worker
+        in_detached = not core_worker.get_current_root_detached_actor_id().is_nil()
+    except Exception:  # a Ray without the call: the data follows the job
+        in_detached = False
+    return job, in_detached
+
+
 def stage(
     obj: Any,
     *,
@@ -217,24 +235,28 @@ def stage(
     ttl: float | None,
     consumers: int = 1,
     follow_producer: bool = False,
+    lifetime: str | None = None,
 ) -> DataHandle:
     """Stage ``obj`` on this node's agent with ``consumers`` references; its handle (with
-    ``follow_producer`` the handle also ends when this process dies).
+    ``follow_producer`` the handle also ends when this process dies). The handle ends with
+    this process's Ray job unless ``lifetime`` is ``"detached"``.
 
     Returns as soon as the bytes are written: the commit is sent without waiting, and a call
     that names the handle before it lands waits for it on the agent.
     """
-    handle = _stage(obj, pinned, ttl, consumers, follow_producer, may_map=True)
+    handle = _stage(obj, pinned, ttl, consumers, follow_producer, lifetime, may_map=True)
     assert handle is not None  # a reservation that may map is never declined
     return handle
 
 
-def stage_transparent(obj: Any, *, ttl: float | None, consumers: int) -> DataHandle | None:
+def stage_transparent(
+    obj: Any, *, ttl: float | None, consumers: int, lifetime: str | None = None
+) -> DataHandle | None:
     """Stage ``obj`` inside a caller's send (``@ray_velo.transfer``): only into an arena
     the agent has already mapped, never a new mapping or registration (spec). None when
     none fits: the payload then travels inside the Ray call, and the agent warms an arena
     up for the next one."""
-    return _stage(obj, True, ttl, consumers, False, may_map=False)
+    return _stage(obj, True, ttl, consumers, False, lifetime, may_map=False)
 
 
 def _stage(
@@ -243,11 +265,14 @@ def _stage(
     ttl: float | None,
     consumers: int,
     follow_producer: bool,
+    lifetime: str | None,
     *,
     may_map: bool,
 ) -> DataHandle | None:
     if ttl is not None and not ttl > 0:
         raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
+    detached = check_lifetime(lifetime)
+    job, in_detached_actor = staging_job()
     header, view = as_bytes_view(obj)
     nbytes = view.nbytes
 
@@ -267,6 +292,7 @@ def _stage(
         session.notify(
             "stage_commit",
             reservation.reservation_id, nbytes, header, ttl, consumers, follow_producer,
+            job, detached or in_detached_actor,
         )  # fmt: skip
     except BaseException:
         session.notify("stage_abort", reservation.reservation_id)

@@ -32,6 +32,10 @@ Rules, from the spec and the lifetime issue:
   claim if it carried one), like a consumer's ``release``: its consumer is gone or gave up.
 * A TTL ends the handle and its chunked leases (that consumer has given up); RDMA and local
   leases keep the bytes until they end, since a GET or a view may still read them.
+* A slot records the Ray job that staged it (``job``). When that job ends, :meth:`end_job`
+  ends its handles as a TTL does, unless the slot was staged ``detached`` (shared across jobs
+  on purpose: it lives until released or its TTL fires). ``followed_jobs()`` names the jobs
+  whose end the owner must watch for.
 * ``next_deadline()`` says when the next deadline falls, so the driver arms a timer only
   while one exists.
 """
@@ -49,6 +53,7 @@ from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
 from ray_velo.protocol.messages import TypeHeader
 
 __all__ = [
+    "JOB_ENDED",
     "RELEASED_BY_CONSUMERS",
     "TTL_EXPIRED",
     "FreedSlot",
@@ -67,6 +72,7 @@ LeaseKind = Literal["rdma", "chunked", "local"]
 #: Why a handle whose last reference was released is gone (HandleNotFound.reason).
 RELEASED_BY_CONSUMERS = "released by its last consumer"
 TTL_EXPIRED = "its TTL expired"
+JOB_ENDED = "its job ended"
 #: How many ended slot ids the store remembers, to say *why* a handle is gone.
 _TOMBSTONES = 4096
 
@@ -117,6 +123,13 @@ class Slot:
     #: Its producer asked for registered memory and got plain (the budget could not take
     #: it): consumers that can may GET it through windows (``ray_velo.memory.windows``).
     windowable: bool = False
+    job: str = ""  # the Ray job that staged it (hex); "": none known, followed by nothing
+    detached: bool = False  # outlives its job on purpose (lifetime="detached")
+
+    @property
+    def follows_job(self) -> bool:
+        """Whether the handle ends when its job does."""
+        return bool(self.job) and not self.detached
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +174,7 @@ class StoreCounters:
     chunked_leases_expired: int = 0
     local_leases_reaped: int = 0
     slots_expired: int = 0
+    slots_job_ended: int = 0
 
 
 class SlotStore:
@@ -177,6 +191,7 @@ class SlotStore:
         self._leases: dict[int, Lease] = {}
         self._timed_leases: dict[int, Lease] = {}
         self._ttl_slots: dict[int, Slot] = {}
+        self._job_slots: dict[str, dict[int, Slot]] = {}  # job -> its live followed slots
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
         self._late_reads: set[int] = set()  # local leases granted while draining
@@ -207,10 +222,13 @@ class SlotStore:
         ttl: float | None = None,
         refcount: int = 1,
         slot_id: int | None = None,
+        job: str = "",
+        detached: bool = False,
     ) -> DataHandle:
         """Add a slot; it starts with ``refcount`` references. ``ttl`` in seconds.
 
-        ``slot_id`` is one from :meth:`reserve_slot_id`; by default a fresh one.
+        ``slot_id`` is one from :meth:`reserve_slot_id`; by default a fresh one. ``job``: the
+        Ray job that staged it (its handle ends with that job unless ``detached``).
         """
         if total_len < 0:
             raise ValueError(f"total_len must be >= 0, got {total_len}")
@@ -231,10 +249,14 @@ class SlotStore:
             ttl_deadline=None if ttl is None else now + ttl,
             staged_at=now,
             given=refcount,
+            job=job,
+            detached=detached,
         )
         self._slots[slot.slot_id] = slot
         if slot.ttl_deadline is not None:
             self._ttl_slots[slot.slot_id] = slot
+        if slot.follows_job:
+            self._job_slots.setdefault(job, {})[slot.slot_id] = slot
         self.counters.slots_staged += 1
         self.counters.bytes_staged += total_len
         return DataHandle(self.worker_id, slot.slot_id)
@@ -508,7 +530,22 @@ class SlotStore:
         slot.ended = why
         slot.claimed = 0
         self._ttl_slots.pop(slot.slot_id, None)
+        job_slots = self._job_slots.get(slot.job, {})
+        job_slots.pop(slot.slot_id, None)
+        if not job_slots:
+            self._job_slots.pop(slot.job, None)
         self.counters.handles_ended += 1
+
+    def _expire(self, slot: Slot, why: str) -> FreedSlot | None:
+        """End a live handle as a TTL does: its chunked leases end with it (their consumers
+        gave up); an RDMA lease (a GET may still read) or a local one (a view) keeps the
+        bytes until it ends."""
+        self._end(slot, why)
+        for lease_id in list(slot.leases):
+            lease = self._leases[lease_id]
+            if lease.kind == "chunked":
+                self._drop_lease(slot, lease)
+        return self._free_if_done(slot, why, abandoned=True)
 
     def _free_if_done(self, slot: Slot, why: str, *, abandoned: bool = False) -> FreedSlot | None:
         if slot.ended is None or slot.leases:
@@ -539,13 +576,8 @@ class SlotStore:
         result = SweepResult()
         for slot in [s for s in self._ttl_slots.values() if s.ttl_deadline is not None]:
             if slot.ttl_deadline is not None and slot.ttl_deadline <= now:
-                self._end(slot, TTL_EXPIRED)
-                for lease_id in list(slot.leases):
-                    lease = self._leases[lease_id]
-                    if lease.kind == "chunked":  # its consumer gave up; a GET or view may not
-                        self._drop_lease(slot, lease)
                 result.slots_expired += 1
-                freed = self._free_if_done(slot, TTL_EXPIRED, abandoned=True)
+                freed = self._expire(slot, TTL_EXPIRED)
                 if freed is not None:
                     result.freed.append(freed)
         for lease in list(self._timed_leases.values()):
@@ -567,11 +599,39 @@ class SlotStore:
         self.counters.slots_expired += result.slots_expired
         return result
 
+    # --- jobs ------------------------------------------------------------------------
+
+    def followed_jobs(self) -> set[str]:
+        """The jobs with a live handle that ends with them (the agent watches these)."""
+        return set(self._job_slots)
+
+    def follows(self, job: str) -> bool:
+        """Whether a live handle of ``job`` ends with it."""
+        return job in self._job_slots
+
+    def end_job(self, job: str) -> tuple[list[int], list[FreedSlot]]:
+        """Job ``job`` ended: end its handles (not the detached ones) as a TTL does. Returns
+        the slot ids whose handles ended and the slots whose bytes may go now."""
+        ended: list[int] = []
+        freed: list[FreedSlot] = []
+        for slot in list(self._job_slots.get(job, {}).values()):
+            ended.append(slot.slot_id)
+            done = self._expire(slot, JOB_ENDED)
+            if done is not None:
+                freed.append(done)
+        self.counters.slots_job_ended += len(ended)
+        return ended, freed
+
     # --- local readers ---------------------------------------------------------------
 
     def holder_pids(self) -> set[int]:
         """Processes on this node holding local leases (the agent checks they live)."""
         return {lease.holder_pid for lease in self._leases.values() if lease.holder_pid}
+
+    def read_by(self, pids: Iterable[int]) -> set[int]:
+        """The slots that processes ``pids`` hold local leases on."""
+        pids = set(pids)
+        return {lease.slot_id for lease in self._leases.values() if lease.holder_pid in pids}
 
     def reap_holders(self, dead_pids: Iterable[int]) -> list[FreedSlot]:
         """End every local lease held by a process that died (a detach: a reader's
@@ -663,6 +723,10 @@ class SlotStore:
             _check(self._leases.get(lease_id) is not None, f"late read {lease_id} is not held")
         for slot_id in self._ttl_slots:
             _check(slot_id in self._slots, f"TTL on freed slot {slot_id}")
+        followed = {(s.job, i) for i, s in self._slots.items() if s.follows_job and not s.ended}
+        indexed = {(job, i) for job, slots in self._job_slots.items() for i in slots}
+        _check(followed == indexed, f"job index {sorted(indexed)} != followed {sorted(followed)}")
+        _check(all(self._job_slots.values()), "a job index entry without slots")
         counters = self.counters
         _check(
             counters.slots_staged - counters.slots_freed == len(self._slots),

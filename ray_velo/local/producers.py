@@ -79,9 +79,12 @@ class ProducerService:
         ttl: float | None,
         refcount: int,
         follow_producer: bool = False,
+        job: str = "",
+        detached: bool = False,
     ) -> DataHandle:
         """Turn a written reservation into a slot; returns its handle (with
-        ``follow_producer`` it ends when the producing process dies).
+        ``follow_producer`` it ends when the producing process dies; it ends with Ray job
+        ``job`` unless ``detached``).
 
         Raises:
             StagingError: the reservation is unknown (aborted, its producer died) or the
@@ -95,7 +98,7 @@ class ProducerService:
                 pending = core.state.reservation(reservation_id)
                 handle = core.state.commit(
                     reservation_id, nbytes, type_header, ttl, refcount, core.clock(), fx,
-                    follow_producer=follow_producer,
+                    follow_producer=follow_producer, job=job, detached=detached,
                 )  # fmt: skip
         finally:
             if pending is not None:

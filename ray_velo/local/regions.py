@@ -84,9 +84,11 @@ class RegionService:
         self.core.metrics.set_registered(self.core.memory.budget.registered_bytes, live)
 
     def stage(
-        self, region_id: int, start: int, stop: int, type_header: TypeHeader, ttl: float | None
-    ) -> DataHandle:
-        """Stage ``[start, stop)`` of a region (relative to its pointer) with no copy."""
+        self, region_id: int, start: int, stop: int, type_header: TypeHeader, ttl: float | None,
+        job: str = "", detached: bool = False,
+    ) -> DataHandle:  # fmt: skip
+        """Stage ``[start, stop)`` of a region (relative to its pointer) with no copy; the
+        handle ends with Ray job ``job`` unless ``detached``."""
         core = self.core
         with self._lock:
             owned = self._regions.get(region_id)
@@ -97,6 +99,7 @@ class RegionService:
         try:
             with core.changing() as fx:
                 core.check_open()
+                new_job = bool(job) and not detached and not core.state.store.follows(job)
                 handle = core.state.store.stage(
                     stop - start,
                     type_header,
@@ -105,8 +108,10 @@ class RegionService:
                     pinned=core.rdma is not None,
                     now=core.clock(),
                     ttl=ttl,
+                    job=job,
+                    detached=detached,
                 )
-                fx.poke = ttl is not None
+                fx.poke = ttl is not None or new_job  # a new job: the timer watches it
         except BaseException:
             anchor.release()
             raise

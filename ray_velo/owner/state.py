@@ -240,14 +240,19 @@ class OwnerState:
         fx: Effects,
         *,
         follow_producer: bool = False,
+        job: str = "",
+        detached: bool = False,
     ) -> DataHandle:
         """Turn reservation ``rid`` into a slot. Raises StagingError if it is gone; a
         failure to stage gives its buffer back (in ``fx``) before raising. With
         ``follow_producer`` the handle ends when the producing process dies (a Ray Direct
-        Transport object, whose normal end is its source process's garbage collection)."""
+        Transport object, whose normal end is its source process's garbage collection).
+        ``job``: the Ray job that staged it; the handle ends with it unless ``detached``."""
         pending = self._reservations.pop(rid, None)
         if pending is None:
             raise StagingError(f"reservation {rid} is unknown or was reaped")
+        # A job not watched yet: the timer starts watching it (see OwnerState.end_job).
+        new_job = bool(job) and not detached and not self.store.follows(job)
         try:
             handle = self.store.stage(
                 nbytes,
@@ -259,6 +264,8 @@ class OwnerState:
                 ttl=ttl,
                 refcount=refcount,
                 slot_id=pending.slot_id,
+                job=job,
+                detached=detached,
             )
         except Exception as exc:
             self.store.forget_reserved(pending.slot_id, f"staging it failed: {exc}")
@@ -268,7 +275,7 @@ class OwnerState:
         if pending.buffer is not None:
             self._move(pending.buffer, f"reservation:{rid}", f"slot:{pending.slot_id}")
             self.store.slot(handle).windowable = pending.wants_rdma and not pending.pinned
-        fx.poke = fx.poke or ttl is not None
+        fx.poke = fx.poke or ttl is not None or new_job
         if follow_producer and pending.pid:
             self._follow(pending.pid, handle)
         return handle
@@ -548,15 +555,25 @@ class OwnerState:
         end = self.store.release if release else self.store.detach
         freed = end(handle, lease_id, claim=claim)
         self._bytes_end(freed, now, fx)
-        remote = self._copy_of.get(handle.slot_id)
-        if freed is None and lease_id and remote is not None:
-            slot = self.store.held(handle)  # not freed: still held
-            if slot.ended is None and not slot.leases:
-                if remote not in self._kept:
-                    self._bytes_end(self.store.end(handle, COPY_UNUSED), now, fx)
-                else:
-                    self._kept_idle[remote] = now + KEPT_IDLE_S
-                    fx.poke = True
+        if freed is None and lease_id:
+            self._copy_unread(handle.slot_id, now, fx)
+
+    def _copy_unread(self, slot_id: int, now: float, fx: Effects) -> None:
+        """A reader of slot ``slot_id`` just ended: if it is a live node-local copy with no
+        reader left, it ends now, unless its owner counts it: then it stays until the owner
+        says the handle ended, or until it sat unread for KEPT_IDLE_S."""
+        remote = self._copy_of.get(slot_id)
+        if remote is None:
+            return
+        handle = DataHandle(self.store.worker_id, slot_id)
+        slot = self.store.held(handle)  # a copy in the index is held
+        if slot.ended is not None or slot.leases:
+            return
+        if remote not in self._kept:
+            self._bytes_end(self.store.end(handle, COPY_UNUSED), now, fx)
+        else:
+            self._kept_idle[remote] = now + KEPT_IDLE_S
+            fx.poke = True
 
     # --- claims held by local processes ----------------------------------------------
 
@@ -660,8 +677,11 @@ class OwnerState:
         """Processes ``dead`` died: end their local leases, abort their reservations, drop
         their claims (see :class:`Reaped` for what the caller does next)."""
         dead = set(dead)
+        read = self.store.read_by(dead) & set(self._copy_of)
         for freed in self.store.reap_holders(dead):
             self._bytes_end(freed, now, fx)
+        for copy_id in read:  # a copy's reader died: as if its lease had ended
+            self._copy_unread(copy_id, now, fx)
         reaped = Reaped()
         for rid, pending in list(self._reservations.items()):
             if pending.pid in dead:
@@ -695,6 +715,23 @@ class OwnerState:
         return sum(buffer.nbytes for buffer, _ in self.quarantined)
 
     # --- ends ------------------------------------------------------------------------
+
+    def followed_jobs(self) -> set[str]:
+        """The Ray jobs whose end ends some live handle here (the agent watches them)."""
+        return self.store.followed_jobs()
+
+    def end_job(self, job: str, now: float, fx: Effects) -> int:
+        """Ray job ``job`` ended: its handles end (not the detached ones) as a TTL ends one,
+        and their bytes go once no reader, pull or GET may touch them. The agents holding
+        copies of them hear it now, not when the bytes go: no new reader can come. Returns
+        how many handles ended."""
+        ended, freed = self.store.end_job(job)
+        for slot_id in ended:
+            for node, worker in self.sources.ended(slot_id):
+                fx.copy_ends.append((DataHandle(self.store.worker_id, slot_id), node, worker))
+        for item in freed:
+            self._bytes_end(item, now, fx)
+        return len(ended)
 
     def evict(self, handle: DataHandle, why: str, now: float, fx: Effects) -> None:
         """End ``handle`` and every lease on it now (its memory went away)."""

@@ -43,7 +43,7 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
         if nbytes <= threshold:
             return item
         handle = session.stage_transparent(
-            item, ttl=options.effective_ttl, consumers=options.consumers
+            item, ttl=options.effective_ttl, consumers=options.consumers, lifetime=options.lifetime
         )
         if handle is None:  # no mapped arena fits: Ray carries it this time (spec)
             return item

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ray_velo.config import check_lifetime
 from ray_velo.errors import ConfigError
 from ray_velo.protocol import DataHandle
 
@@ -30,6 +31,8 @@ class TransferOptions:
             TTL unless ``fetch_timeout`` is set, which then serves as the TTL.
         fetch_timeout: the caller's budget (s) for each receiver's fetch.
         stage_returns: stage large results (and yielded items) too.
+        lifetime: ``"detached"``: what is staged outlives the Ray job that staged it (until
+            resolved, released or its TTL fires); None: it ends with that job.
     """
 
     threshold_bytes: int | None = None
@@ -37,6 +40,7 @@ class TransferOptions:
     ttl: float | None = None
     fetch_timeout: float | None = None
     stage_returns: bool = True
+    lifetime: str | None = None
 
     def __post_init__(self) -> None:
         if self.threshold_bytes is not None and (
@@ -51,6 +55,7 @@ class TransferOptions:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(field=name, value=value, rule="must be None or > 0 seconds")
+        check_lifetime(self.lifetime)
 
     @property
     def effective_ttl(self) -> float | None:

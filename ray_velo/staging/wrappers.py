@@ -353,6 +353,7 @@ def transfer(
     ttl: float | None = None,
     fetch_timeout: float | None = None,
     stage_returns: bool = True,
+    lifetime: str | None = None,
 ) -> Any:
     """Stage large arguments and results of a ``@ray.remote`` function or actor class.
 
@@ -363,12 +364,18 @@ def transfer(
     functions, async actor methods and async generators are supported (fetching and staging
     run off the event loop). See the module docstring for the semantics.
 
+    What it stages ends with the Ray job that staged it (the caller's for arguments, the
+    callee's for results); ``lifetime="detached"`` keeps it past that job until it is
+    resolved, released or its ``ttl`` fires.
+
     Raises:
         TypeError: at decoration time, when placed below ``@ray.remote`` (the message shows
             the right order).
         ConfigError: an option breaks its rule.
     """
-    options = TransferOptions(threshold_bytes, consumers, ttl, fetch_timeout, stage_returns)
+    options = TransferOptions(
+        threshold_bytes, consumers, ttl, fetch_timeout, stage_returns, lifetime
+    )
     if target is None:
         return lambda t: _apply(t, options)
     return _apply(target, options)

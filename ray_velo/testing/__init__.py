@@ -18,7 +18,7 @@ tests in milliseconds::
         assert pair.consumer_paths() == {"rdma/ok": 1}
 """
 
-from ray_velo.testing.fakes import FakeClock, FakeRdma
+from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
 from ray_velo.testing.pair import AgentPair, InProcessLink, InProcessPeers
 
-__all__ = ["AgentPair", "FakeClock", "FakeRdma", "InProcessLink", "InProcessPeers"]
+__all__ = ["AgentPair", "FakeClock", "FakeJobs", "FakeRdma", "InProcessLink", "InProcessPeers"]

@@ -1,4 +1,5 @@
-"""A clock you move by hand, and an RDMA backend that "GETs" with ``memmove``."""
+"""A clock you move by hand, Ray's job table as a set, and an RDMA backend that "GETs" with
+``memmove``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ray_velo.memory.pool import NoopRegistrar, Registration
 from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
 from ray_velo.ucx.status import UcsStatus
 
-__all__ = ["FakeClock", "FakeRdma"]
+__all__ = ["FakeClock", "FakeJobs", "FakeRdma"]
 
 
 class FakeClock:
@@ -33,6 +34,30 @@ class FakeClock:
         with self._lock:
             self._now += seconds
             return self._now
+
+
+class FakeJobs:
+    """Ray's job table for agents without Ray: jobs are alive until :meth:`end` ends them.
+
+    ``asked`` records each look (the jobs asked about), so a test sees when agents look;
+    ``fail`` makes the next N looks fail as an unreachable GCS would.
+    """
+
+    def __init__(self) -> None:
+        self.ended: set[str] = set()
+        self.asked: list[set[str]] = []
+        self.fail = 0
+
+    def end(self, job: str) -> None:
+        """Job ``job``'s driver is gone: the table says so from now on."""
+        self.ended.add(job)
+
+    def dead(self, jobs: Any) -> set[str]:
+        self.asked.append(set(jobs))
+        if self.fail > 0:
+            self.fail -= 1
+            raise ConnectionError("the fake GCS is unreachable")
+        return set(jobs) & self.ended
 
 
 class FakeRdma:

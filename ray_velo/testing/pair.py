@@ -10,15 +10,21 @@ from typing import Any
 import numpy as np
 
 from ray_velo.actors.agent import RendezvousAgent
-from ray_velo.config import RdmaConfig, RdmaPoolConfig, RdmaRendezvousConfig, VeloConfig
+from ray_velo.config import (
+    RdmaConfig,
+    RdmaPoolConfig,
+    RdmaRendezvousConfig,
+    VeloConfig,
+    check_lifetime,
+)
 from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.links import Blocking, OwnerLink
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.local.records import LocalLease
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view
-from ray_velo.protocol import DataHandle, PullRequest, Ready, encode
-from ray_velo.testing.fakes import FakeClock, FakeRdma
+from ray_velo.protocol import CopyNotice, DataHandle, PullRequest, Ready, encode
+from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
 
 __all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]
 
@@ -145,15 +151,18 @@ class AgentPair:
         self.clock = FakeClock(1000.0)
         self.owner_rdma = FakeRdma(self.clock) if rdma else None
         self.consumer_rdma = FakeRdma(self.clock) if rdma else None
+        self.jobs = FakeJobs()
         self.owner = RendezvousAgent(
-            self.config, "node-a", rdma=self.owner_rdma, clock=self.clock, timer=False
-        )
+            self.config, "node-a", rdma=self.owner_rdma, clock=self.clock, timer=False,
+            jobs=self.jobs,
+        )  # fmt: skip
         self.link = InProcessLink(self.owner)
         self.peers = InProcessPeers(self.consumer_rdma, self.link)
         self.consumer = RendezvousAgent(
             self.consumer_config, "node-b", rdma=self.consumer_rdma, peers=self.peers, clock=self.clock,
-            timer=False,
+            timer=False, jobs=self.jobs,
         )  # fmt: skip
+        self.owner.core.tell_copy_ends = self._tell_copy_ends
         if registered and self.consumer_rdma is not None and self.owner_rdma is not None:
             self.consumer_rdma.register_peer(
                 "node-a", self.owner.worker_id, self.owner_rdma.address
@@ -172,12 +181,17 @@ class AgentPair:
         consumers: int = 1,
         on: str = "owner",
         transparent: bool = False,
+        job: str = "",
+        lifetime: str | None = None,
     ) -> DataHandle:
         """Stage ``data`` on the owner (or the consumer) as ``rv.put`` does.
 
         ``transparent``: as ``@ray_velo.transfer`` does, only into an arena already mapped;
         LookupError when none fits (the decorator then leaves the payload in the Ray call).
+        ``job``: the Ray job staging it (end it with ``pair.jobs.end(job)``); ``lifetime``
+        as in ``rv.put``.
         """
+        detached = check_lifetime(lifetime)
         agent = self.owner if on == "owner" else self.consumer
         header, view = as_bytes_view(data)
         reservation = agent.stage_reserve(view.nbytes, pinned, self.pid, not transparent)
@@ -187,7 +201,9 @@ class AgentPair:
             dest = self.segments.view(reservation.path, reservation.offset, view.nbytes)
             np.frombuffer(dest, dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)
             del dest
-        return agent.stage_commit(reservation.reservation_id, view.nbytes, header, ttl, consumers)
+        return agent.stage_commit(
+            reservation.reservation_id, view.nbytes, header, ttl, consumers, False, job, detached
+        )
 
     def lease(
         self, handle: DataHandle, mode: str = "release", timeout: float | None = None
@@ -214,6 +230,13 @@ class AgentPair:
             return self.read(lease)
         finally:
             self.end(lease)
+
+    def _tell_copy_ends(self, ends: list[tuple[DataHandle, str, int]]) -> None:
+        """The owner's word that handles ended, to the consumer holding copies of them (the
+        agents' peers send it over the wire)."""
+        for handle, node, worker in ends:
+            if worker == self.consumer.worker_id:
+                self.consumer._rv_copy(encode(CopyNotice(handle, node, worker)))
 
     # --- time and state --------------------------------------------------------------
 

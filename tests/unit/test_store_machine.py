@@ -3,10 +3,11 @@
 Consumers stage, ref, acquire (chunked, RDMA, local; with and without deadlines; claiming
 or not), renew, pull, detach and release (with and without claims) in any order, also with
 stale handles and lease ids; the reaper sweeps while time advances; local reader processes
-die; a consumer agent restarts. After every step the store's own ``validate()`` holds and the
+die; a consumer agent restarts; the Ray job that staged some slots ends. After every step the store's own ``validate()`` holds and the
 store agrees with the model:
 
-* a handle lives until its refcount reaches 0, its TTL fires, or it is evicted; from then on
+* a handle lives until its refcount reaches 0, its TTL fires, its job ends (unless it is
+  detached), or it is evicted; from then on
   every acquire, ref and metadata is refused, while its slot stays as long as it has leases;
 * claims never outnumber references, and a claim beyond them is refused;
 * every slot comes back exactly once as a ``FreedSlot``, from the step the model predicts,
@@ -39,6 +40,7 @@ from ray_velo.store import FreedSlot, LeaseKind, SlotKind, SlotStore, SweepResul
 
 WORKER = 0x5EED
 PIDS = (0, 101, 102)
+JOBS = ("", "01000000", "02000000")  # "": staged outside a Ray job
 #: Time that passes before a consumer's next call (s); binary fractions, so deadlines that
 #: should coincide do so exactly.
 PAUSES = st.sampled_from([0.0, 0.125, 0.25, 0.5])
@@ -68,6 +70,8 @@ class ModelSlot:
     leases: set[int] = field(default_factory=set)
     claimed: int = 0
     ended: bool = False
+    job: str = ""
+    detached: bool = False
 
 
 @dataclass
@@ -82,6 +86,7 @@ class ModelCounters:
     chunked_leases_expired: int = 0
     local_leases_reaped: int = 0
     slots_expired: int = 0
+    slots_job_ended: int = 0
 
 
 class SlotStoreMachine(RuleBasedStateMachine):
@@ -194,8 +199,18 @@ class SlotStoreMachine(RuleBasedStateMachine):
         kind=st.sampled_from(["plain", "pooled", "dedicated", "region"]),
         refcount=st.integers(1, 3),
         ttl=st.none() | st.sampled_from([0.5, 1.0, 3.0]),
+        job=st.sampled_from(JOBS),
+        detached=st.booleans(),
     )
-    def stage(self, total_len: int, kind: SlotKind, refcount: int, ttl: float | None) -> Any:
+    def stage(
+        self,
+        total_len: int,
+        kind: SlotKind,
+        refcount: int,
+        ttl: float | None,
+        job: str,
+        detached: bool,
+    ) -> Any:
         location = object()
         pinned = kind != "plain"
         handle = self.store.stage(
@@ -207,6 +222,8 @@ class SlotStoreMachine(RuleBasedStateMachine):
             now=self.now,
             ttl=ttl,
             refcount=refcount,
+            job=job,
+            detached=detached,
         )
         assert handle.worker_id == WORKER
         assert handle.slot_id not in self.slots and handle.slot_id not in self.freed
@@ -218,6 +235,8 @@ class SlotStoreMachine(RuleBasedStateMachine):
             location,
             refcount,
             None if ttl is None else self.now + ttl,
+            job=job,
+            detached=detached,
         )
         self.counters.slots_staged += 1
         self.counters.bytes_staged += total_len
@@ -499,6 +518,27 @@ class SlotStoreMachine(RuleBasedStateMachine):
                 expected.add(slot.handle.slot_id)
         self.collect(self.store.reap_holders(dead), expected)
 
+    @rule(job=st.sampled_from(JOBS[1:]))
+    def end_job(self, job: str) -> None:
+        """The Ray job ``job`` ended: its live, non-detached handles end as at a TTL (their
+        chunked leases with them); the bytes go once no other lease holds them."""
+        ended: set[int] = set()
+        expected: set[int] = set()
+        for slot in list(self.slots.values()):
+            if slot.ended or slot.job != job or slot.detached:
+                continue
+            self.end(slot)
+            ended.add(slot.handle.slot_id)
+            for lease_id in sorted(slot.leases):
+                if self.model_leases[lease_id].kind == "chunked":
+                    self.drop_lease(self.model_leases[lease_id])
+            if self.done(slot):
+                expected.add(slot.handle.slot_id)
+        ended_ids, freed = self.store.end_job(job)
+        assert sorted(ended_ids) == sorted(ended)
+        self.counters.slots_job_ended += len(ended)
+        self.collect(freed, expected)
+
     @rule(drawn=handles, data=st.data())
     def evict(self, drawn: DataHandle, data: st.DataObject) -> None:
         """A region was deregistered under the slot: it goes now, leases and all."""
@@ -546,6 +586,11 @@ class SlotStoreMachine(RuleBasedStateMachine):
                 self.store.metadata(DataHandle(WORKER, slot_id))
 
     @invariant()
+    def followed_jobs_are_those_of_live_attached_handles(self) -> None:
+        live = {s.job for s in self.slots.values() if s.job and not s.detached and not s.ended}
+        assert self.store.followed_jobs() == live
+
+    @invariant()
     def leases_agree(self) -> None:
         assert self.store.live_leases == len(self.model_leases)
         for lease_id, model in self.model_leases.items():
@@ -583,6 +628,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
             c.chunked_leases_expired,
             c.local_leases_reaped,
             c.slots_expired,
+            c.slots_job_ended,
         ) == (
             m.slots_staged,
             m.slots_freed,
@@ -594,6 +640,7 @@ class SlotStoreMachine(RuleBasedStateMachine):
             m.chunked_leases_expired,
             m.local_leases_reaped,
             m.slots_expired,
+            m.slots_job_ended,
         )
 
     def teardown(self) -> None:
