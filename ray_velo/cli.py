@@ -5,6 +5,7 @@ ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-u
 ray-velo bench --decorator | --transport [--sizes 256] [--reps 5]
 ray-velo bench --calls [--reps 40]
 ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
+ray-velo bench --two-host --transfers-only --sizes 1536,3072 [--budget-mib 1024] [--reps 3]
 ray-velo bench --two-host --transport [--link 25gbit] [--sizes 256] [--reps 5]
 ray-velo bench --two-host --fan-out 3 [--hosts 2] [--link 10gbit] [--sizes 256] [--reps 5]
 ray-velo status [--address auto] [--json]
@@ -54,11 +55,22 @@ def _hosts_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _large_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--budget-mib`` / ``--transfers-only`` cannot be used as given, or None."""
+    if args.budget_mib is None and not args.transfers_only:
+        return None
+    if not args.two_host or args.fan_out or args.transport:
+        return "--budget-mib and --transfers-only go with --two-host (not --fan-out, --transport)"
+    if args.budget_mib is not None and args.budget_mib <= 0:
+        return f"--budget-mib {args.budget_mib}: needs a positive number of MiB"
+    return None
+
+
 def _bench_one_kind(args: argparse.Namespace) -> int | None:
     """The bench modes that measure one thing (``--two-host``, ``--decorator``,
     ``--calls``, ``--transport``): their exit status, or None for the default bench."""
     size = int(float(args.sizes.split(",")[0]) * MiB) if args.sizes else 256 * MiB
-    refusal = _hosts_refusal(args)
+    refusal = _hosts_refusal(args) or _large_refusal(args)
     if refusal:
         print(f"ray-velo bench: {refusal}", file=sys.stderr)
         return 2
@@ -151,7 +163,14 @@ def _bench_two_host(args: argparse.Namespace) -> int:
 
         print(run_two_host_transport(links, sizes[0], args.reps))
         return 0
-    results = run_two_host(links, sizes, args.reps, with_raw=not args.no_ucx_raw)
+    results = run_two_host(
+        links,
+        sizes,
+        args.reps,
+        with_raw=not args.no_ucx_raw,
+        budget_mib=args.budget_mib,
+        transfers_only=args.transfers_only,
+    )
     print(format_two_host(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -317,6 +336,18 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--link",
         default="10gbit",
         help="with --two-host: link rates, comma separated: 10gbit, 25gbit, none (unshaped)",
+    )
+    bench.add_argument(
+        "--budget-mib",
+        type=int,
+        help="with --two-host: the agents' registered_bytes_budget in MiB (a payload above it "
+        "moves through registered windows)",
+    )
+    bench.add_argument(
+        "--transfers-only",
+        action="store_true",
+        help="with --two-host: Ray, ray_velo and the chunked path only (no pipelines, no "
+        "mid-size latency table): for payloads of GiBs",
     )
     bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
     bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")

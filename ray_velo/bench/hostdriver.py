@@ -80,8 +80,12 @@ def _restart_agents(config: Any, env: dict[str, str]) -> None:
     ensure_agents(config, env=env)
 
 
-def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, Any]:
-    """Every column for every size (see the module docstring), medians in seconds."""
+def measure(
+    sizes: Sequence[int], reps: int, config: Any = None, *, transfers_only: bool = False
+) -> dict[str, Any]:
+    """Every column for every size (see the module docstring), medians in seconds;
+    ``transfers_only``: Ray, velo and the chunked path only (no pipelines, no mid-size
+    latency table: for payloads of GiBs)."""
     import ray
 
     import ray_velo as rv
@@ -102,6 +106,9 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
         _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
         ray.get(producer.make.remote(size))
         rows[size] = medians(reps, lambda: transfer_round(producer, consumer), lambda _: None)
+        if transfers_only:
+            ray.get(producer.drop.remote())
+            continue
         _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
         pipelines, producers = bench_pipelines(
             size, {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
@@ -110,9 +117,11 @@ def measure(sizes: Sequence[int], reps: int, config: Any = None) -> dict[str, An
         for actor in producers:
             ray.kill(getattr(actor, "ray_handle", actor))
         ray.get(producer.drop.remote())
-    _say("  mid-size payloads: median time per transfer")
-    on_a, on_b = {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
-    latency = measure_latency(producer, consumer, on_a, on_b, LATENCY_REPS)
+    latency: dict[int, Any] = {}
+    if not transfers_only:
+        _say("  mid-size payloads: median time per transfer")
+        on_a, on_b = {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
+        latency = measure_latency(producer, consumer, on_a, on_b, LATENCY_REPS)
     consumer_info = ray.get(consumer.agent_info.remote())
     paths["velo"] = _moved(before, ray.get(consumer.path_counts.remote()))
     transports = consumer_info["ucx_transports"]
@@ -188,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--fan-out", type=int, default=0, help="K readers of one payload, on hosts b, c, ..."
     )
+    parser.add_argument("--budget-mib", type=int, help="the agents' registered_bytes_budget")
+    parser.add_argument("--transfers-only", action="store_true", help="no pipelines, no latency")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.fan_out:
@@ -195,7 +206,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.transport:
         result = measure_transport(sizes[0], args.reps)
     else:
-        result = measure(sizes, args.reps)
+        from ray_velo.config import RdmaConfig, RdmaPoolConfig, VeloConfig
+
+        config = VeloConfig()
+        if args.budget_mib:
+            pool = RdmaPoolConfig(registered_bytes_budget=args.budget_mib * MiB)
+            config = config.replace(rdma=RdmaConfig(pool=pool))
+        result = measure(sizes, args.reps, config, transfers_only=args.transfers_only)
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     return 0
 

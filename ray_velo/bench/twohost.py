@@ -93,9 +93,17 @@ def _drive(
 
 
 def run_two_host(
-    links: Sequence[str], sizes: Sequence[int], reps: int = 5, *, with_raw: bool = True
+    links: Sequence[str],
+    sizes: Sequence[int],
+    reps: int = 5,
+    *,
+    with_raw: bool = True,
+    budget_mib: int | None = None,
+    transfers_only: bool = False,
 ) -> list[LinkResult]:
     """Measure every link in ``links`` (one testbed each); see the module docstring.
+    ``budget_mib``: the agents' ``registered_bytes_budget`` (a payload above it moves through
+    registered windows); ``transfers_only``: no pipelines and no mid-size latency table.
 
     Raises:
         TestbedUnavailable: this machine cannot make network namespaces (not root).
@@ -107,7 +115,8 @@ def run_two_host(
     results = []
     for link in links:
         sys.stderr.write(f"two-host testbed, link {link}:\n")
-        store = max(1 << 30, 4 * max(sizes))
+        # Ray's store holds the payload put and its copy read; more only for the pipelines
+        store = max(1 << 30, (2 if transfers_only else 4) * max(sizes))
         with Testbed(hosts=2, link=link, object_store_bytes=store) as testbed:
             result = LinkResult(link)
             if with_raw:
@@ -115,7 +124,10 @@ def run_two_host(
                     sys.stderr.write(f"  {size // MiB} MiB: raw TCP socket and bare UCX GET\n")
                     result.rows.setdefault(size, {})["raw_tcp"] = raw_tcp(testbed, size, reps)
                     result.rows[size]["raw_ucx"] = raw_ucx_get(testbed, size, reps)
-            measured = _drive(testbed, sizes, reps)
+            extra = ["--transfers-only"] if transfers_only else []
+            if budget_mib:
+                extra += ["--budget-mib", str(budget_mib)]
+            measured = _drive(testbed, sizes, reps, extra)
         for size_text, row in measured["rows"].items():
             result.rows.setdefault(int(size_text), {}).update(row)
         result.paths = measured["paths"]

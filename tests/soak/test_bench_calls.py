@@ -51,3 +51,21 @@ def test_hosts_needs_fan_out() -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "--fan-out" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--budget-mib", "1024"], "go with --two-host"),
+        (["--two-host", "--fan-out", "2", "--transfers-only"], "go with --two-host"),
+        (["--two-host", "--budget-mib", "0"], "--budget-mib 0"),
+    ],
+)
+def test_the_large_payload_options_are_refused_where_they_mean_nothing(
+    args: list[str], said: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ray_velo.cli", "bench", *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and said in done.stderr, done.stderr
