@@ -27,6 +27,7 @@ from ray_velo.config import UcxConfig
 from ray_velo.errors import DescriptorError, UcxError
 from ray_velo.memory.pool import Registration
 from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
+from ray_velo.protocol.memtype import MemoryType
 from ray_velo.ucx.binding import Endpoint, MemoryRegistration, RemoteKey, UcxContext, UcxWorker
 from ray_velo.ucx.binding import get as ucx_get
 
@@ -36,14 +37,21 @@ _log = logging.getLogger(__name__)
 
 
 class UcxRegistrar:
-    """Maps memory with ``ucp_mem_map`` for the pool and regions (the Registrar protocol)."""
+    """Maps memory with ``ucp_mem_map`` for the pool and regions (the Registrar protocol).
 
-    def __init__(self, context: UcxContext) -> None:
+    ``memory_type``: what every range it maps is (host for the shm arenas, CUDA for a GPU
+    arena pool's device allocations); UCX is told, not left to detect it.
+    """
+
+    def __init__(self, context: UcxContext, memory_type: MemoryType = MemoryType.HOST) -> None:
         self._context = context
+        self.memory_type = memory_type
 
     def register(self, address: int, nbytes: int) -> Registration:
         """Map ``nbytes`` at ``address``; the caller keeps the pages until :meth:`unregister`."""
-        return MemoryRegistration.from_address(self._context, address, nbytes, keepalive=None)
+        return MemoryRegistration.from_address(
+            self._context, address, nbytes, keepalive=None, memory_type=self.memory_type
+        )
 
     def unregister(self, registration: Registration) -> None:
         """Unmap; returns only once UCX confirmed it (pages may then be freed)."""

@@ -46,6 +46,7 @@ from types import TracebackType
 from typing import Any, Final
 
 from ray_velo.errors import ConfigError, UcxError
+from ray_velo.protocol.memtype import SUPPORTED_MEMORY_TYPES, MemoryType
 from ray_velo.ucx.loader import (
     Binding,
     check_status,
@@ -681,7 +682,7 @@ class MemoryRegistration(_Node):
         except (TypeError, ValueError, BufferError) as exc:
             raise _invalid("ucp_mem_map", f"buffer is not writable and contiguous: {exc}") from exc
         address = int(ffi.cast("uintptr_t", export))
-        self._init(context, address, len(export), export, remote_write)
+        self._init(context, address, len(export), export, remote_write, MemoryType.HOST)
 
     @classmethod
     def from_address(
@@ -692,20 +693,33 @@ class MemoryRegistration(_Node):
         *,
         keepalive: object,
         remote_write: bool = False,
+        memory_type: MemoryType = MemoryType.HOST,
     ) -> MemoryRegistration:
         """Map ``nbytes`` at ``address``; ``keepalive`` is held until the unmap is confirmed.
 
-        The caller guarantees that ``keepalive`` owns writable memory covering the range.
+        The caller guarantees that ``keepalive`` owns writable memory covering the range, of
+        ``memory_type`` (host, or a CUDA device allocation for ``MemoryType.CUDA``): UCX is
+        told the type instead of detecting it, and the packed key must say the same.
 
         Raises:
-            UcxError: as for the constructor.
+            UcxError: as for the constructor; also a memory type this library does not move,
+                or a key whose memory type is not the one asked for (a UCX built without
+                CUDA support registers device memory as something else, or refuses it).
         """
+        if memory_type not in SUPPORTED_MEMORY_TYPES:
+            raise _invalid("ucp_mem_map", f"memory_type={memory_type!r} is not supported")
         self = cls.__new__(cls)
-        self._init(context, address, nbytes, keepalive, remote_write)
+        self._init(context, address, nbytes, keepalive, remote_write, MemoryType(memory_type))
         return self
 
     def _init(
-        self, context: UcxContext, address: int, nbytes: int, keepalive: object, remote_write: bool
+        self,
+        context: UcxContext,
+        address: int,
+        nbytes: int,
+        keepalive: object,
+        remote_write: bool,
+        memory_type: MemoryType,
     ) -> None:
         super().__init__()
         self.context = context
@@ -716,6 +730,7 @@ class MemoryRegistration(_Node):
             raise _invalid("ucp_mem_map", f"nbytes={nbytes!r} must be positive and not wrap")
         self.address = address
         self.nbytes = nbytes
+        self.memory_type = memory_type
         self._keepalive: object = keepalive
         self._cond = threading.Condition(self._lock)
         self._inflight = 0
@@ -738,7 +753,9 @@ class MemoryRegistration(_Node):
                     | lib.UCP_MEM_MAP_PROT_REMOTE_READ
                     | (lib.UCP_MEM_MAP_PROT_REMOTE_WRITE if remote_write else 0)
                 )
-                params.memory_type = lib.UCS_MEMORY_TYPE_HOST  # skip memory-type detection
+                # Said, not detected: detection costs a driver query per map, and a host
+                # buffer must never be taken for device memory. UCX's enum numbers are ABI.
+                params.memory_type = int(memory_type)
                 memh_p = ffi.new("ucp_mem_h *")
                 check_status(lib.ucp_mem_map(context._handle, params, memh_p), "ucp_mem_map")
             except BaseException:
@@ -771,7 +788,9 @@ class MemoryRegistration(_Node):
                 status_text=f"packed rkey of {len(packed)} bytes is over {PACKED_RKEY_MAX_BYTES}",
             )
         try:
-            parse_packed_rkey(packed)
+            # The key must say the type we asked for: a UCX without CUDA support would pack
+            # device memory under another type, and peers would mis-handle the bytes.
+            parse_packed_rkey(packed, memory_types=frozenset({self.memory_type}))
         except ValueError as exc:  # DescriptorError: this UCX packs a layout we cannot check
             raise UcxError(
                 operation="ucp_rkey_pack",

@@ -16,8 +16,12 @@ Layout (all integers little-endian)::
 
 Stage 2 (the distance list) runs with an unbounded end in UCX and stops only at a 0xFF byte on
 the 3-byte stride, so the terminator must be inside the blob. This checks framing only: a stale
-key with perfect framing passes. No cffi, no UCX: this module imports the standard library and
-``ray_velo.errors`` only.
+key with perfect framing passes. No cffi, no UCX: this module imports the standard library,
+``ray_velo.errors`` and the pure memory-type table only.
+
+Memory types: host, CUDA and CUDA managed memory pass (:data:`SUPPORTED_MEMORY_TYPES`); a
+caller may narrow that (``memory_types``: a consumer that expects host bytes refuses a CUDA
+key). Every other type UCX knows is refused, and so is every byte UCX does not know.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ray_velo.errors import DescriptorError
+from ray_velo.protocol.memtype import (
+    SUPPORTED_MEMORY_TYPES,
+    UCS_MEMORY_TYPE_LAST,
+    MemoryType,
+    memory_type_name,
+)
 
 __all__ = [
     "MAX_MD_MAP_BITS",
@@ -44,9 +54,7 @@ MEM_TYPE_BYTES = 1
 HEADER_BYTES = MD_MAP_BYTES + MEM_TYPE_BYTES
 """md_map + mem_type: the shortest key (9 bytes, md_map == 0, the tcp/cma dummy key)."""
 
-UCS_MEMORY_TYPE_HOST = 0
-UCS_MEMORY_TYPE_LAST = 10
-"""host, cuda, cuda_managed, rocm, rocm_managed, rdma, ze_host, ze_device, ze_managed, gaudi."""
+UCS_MEMORY_TYPE_HOST = int(MemoryType.HOST)
 
 SYS_DEVICE_ID_UNKNOWN = 0xFF
 """``UCS_SYS_DEVICE_ID_UNKNOWN``: no distance list follows; also the list terminator."""
@@ -75,23 +83,27 @@ def _refuse(reason: str) -> DescriptorError:
 
 
 def parse_packed_rkey(
-    blob: bytes | bytearray | memoryview, max_len: int = PACKED_RKEY_MAX_BYTES
+    blob: bytes | bytearray | memoryview,
+    max_len: int = PACKED_RKEY_MAX_BYTES,
+    memory_types: frozenset[MemoryType] = SUPPORTED_MEMORY_TYPES,
 ) -> PackedRkeyLayout:
     """Walk a packed key exactly as UCX will and describe it.
 
     Args:
         blob: the key bytes as received from the peer.
         max_len: the largest key accepted, in bytes.
+        memory_types: the memory types accepted (default: host, CUDA, CUDA managed).
 
     Raises:
         DescriptorError: for any blob UCX could not parse within its own bytes, or one this
-            library refuses (non-host memory, more than ``MAX_MD_MAP_BITS`` memory domains).
+            library refuses (a memory type outside ``memory_types``, more than
+            ``MAX_MD_MAP_BITS`` memory domains).
     """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise DescriptorError(reason=f"a packed rkey is bytes, got {type(blob).__name__}")
     data = bytes(blob)
     n = len(data)
-    md_map, mem_type = _header(data, max_len)
+    md_map, mem_type = _header(data, max_len, memory_types)
     sizes, pos = _md_bodies(data, md_map.bit_count())
     if md_map == 0:
         # The dummy key: UCX reads no sys_dev byte and runs no stage 2.
@@ -107,8 +119,9 @@ def parse_packed_rkey(
     return PackedRkeyLayout(n, md_map, mem_type, tuple(sizes), sys_dev, distances)
 
 
-def _header(data: bytes, max_len: int) -> tuple[int, int]:
-    """The md_map and mem_type, checked: length bounds, host memory, few enough domains."""
+def _header(data: bytes, max_len: int, memory_types: frozenset[MemoryType]) -> tuple[int, int]:
+    """The md_map and mem_type, checked: length bounds, an accepted memory type, few
+    enough domains."""
     n = len(data)
     if n > max_len:
         raise _refuse(f"{n} bytes is over the {max_len}-byte limit")
@@ -118,8 +131,11 @@ def _header(data: bytes, max_len: int) -> tuple[int, int]:
     mem_type = data[MD_MAP_BYTES]
     if mem_type >= UCS_MEMORY_TYPE_LAST:
         raise _refuse(f"mem_type {mem_type} is out of range (< {UCS_MEMORY_TYPE_LAST})")
-    if mem_type != UCS_MEMORY_TYPE_HOST:
-        raise _refuse(f"mem_type {mem_type} is not host memory ({UCS_MEMORY_TYPE_HOST})")
+    if mem_type not in memory_types:
+        accepted = ", ".join(sorted(memory_type_name(t) for t in memory_types))
+        raise _refuse(
+            f"mem_type {mem_type} ({memory_type_name(mem_type)}) is not accepted here ({accepted})"
+        )
     md_count = md_map.bit_count()
     if md_count > MAX_MD_MAP_BITS:
         raise _refuse(
@@ -165,15 +181,18 @@ def _distances(data: bytes, pos: int, sys_dev: int) -> tuple[int, int]:
 
 
 def check_packed_rkey(
-    blob: bytes | bytearray | memoryview, max_len: int = PACKED_RKEY_MAX_BYTES
+    blob: bytes | bytearray | memoryview,
+    max_len: int = PACKED_RKEY_MAX_BYTES,
+    memory_types: frozenset[MemoryType] = SUPPORTED_MEMORY_TYPES,
 ) -> None:
     """Refuse a packed key that UCX could not parse within its own bytes.
 
     Args:
         blob: the key bytes as received from the peer.
         max_len: the largest key accepted, in bytes.
+        memory_types: the memory types accepted (default: host, CUDA, CUDA managed).
 
     Raises:
         DescriptorError: see :func:`parse_packed_rkey`.
     """
-    parse_packed_rkey(blob, max_len)
+    parse_packed_rkey(blob, max_len, memory_types)

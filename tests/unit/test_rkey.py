@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_velo.errors import DescriptorError
+from ray_velo.protocol.descriptor import RdmaDescriptor
+from ray_velo.protocol.memtype import SUPPORTED_MEMORY_TYPES, MemoryType
 from ray_velo.ucx.rkey import (
     MAX_MD_MAP_BITS,
     PACKED_RKEY_MAX_BYTES,
@@ -41,7 +44,7 @@ def build_key(
     return out
 
 
-def refused(blob: bytes, **kwargs: int) -> str:
+def refused(blob: bytes, **kwargs: Any) -> str:
     with pytest.raises(DescriptorError) as info:
         check_packed_rkey(blob, **kwargs)
     return str(info.value)
@@ -69,7 +72,8 @@ def test_key_with_distance_list_passes() -> None:
         (TCP_CMA_KEY[:5], "shorter than the 9-byte header"),
         (TCP_CMA_KEY[:8] + b"\x7f", "mem_type 127 is out of range"),  # segfaults UCX 1.22
         (TCP_CMA_KEY[:8] + b"\x0a", "mem_type 10 is out of range"),
-        (TCP_CMA_KEY[:8] + b"\x01", "not host memory"),  # cuda
+        (TCP_CMA_KEY[:8] + b"\x03", "mem_type 3 (rocm) is not accepted"),
+        (TCP_CMA_KEY[:8] + b"\x09", "mem_type 9 (gaudi) is not accepted"),
         ((1 << 40).to_bytes(8, "little") + b"\x00", "past the end"),  # UCX said "OK"
         (b"\xff" * 8 + b"\x00", "memory domains"),
         (DEFAULT_TLS_KEY[:-1], "sys_dev byte is missing"),
@@ -84,7 +88,8 @@ def test_key_with_distance_list_passes() -> None:
         "truncated",
         "mem_type_0x7f",
         "mem_type_last",
-        "mem_type_cuda",
+        "mem_type_rocm",
+        "mem_type_gaudi",
         "md_bit40_no_body",
         "md_map_all_ones",
         "no_sys_dev",
@@ -98,6 +103,39 @@ def test_key_with_distance_list_passes() -> None:
 def test_malformed_keys_are_refused(blob: bytes, reason: str) -> None:
     """Each malformed key UCX mishandles (over-read, crash) is refused, naming why."""
     assert reason in refused(blob)
+
+
+@pytest.mark.parametrize("mem_type", [MemoryType.CUDA, MemoryType.CUDA_MANAGED])
+def test_cuda_keys_pass(mem_type: MemoryType) -> None:
+    """A GPU arena's key (cuda_ipc/cuda_copy bodies, a known sys_dev with its distances)
+    passes the pre-parse, and says which memory it names."""
+    blob = build_key({2: b"\x07" * 24, 4: b"\x08" * 8}, mem_type=mem_type, sys_dev=1, distances=2)
+    layout = parse_packed_rkey(blob)
+    assert layout.mem_type == mem_type
+    assert parse_packed_rkey(TCP_CMA_KEY[:8] + bytes([mem_type])).mem_type == mem_type
+
+
+def test_a_caller_narrows_the_memory_types() -> None:
+    """A consumer that can only take host bytes refuses a CUDA key, naming both sides."""
+    host_only = frozenset({MemoryType.HOST})
+    check_packed_rkey(TCP_CMA_KEY, memory_types=host_only)
+    reason = refused(TCP_CMA_KEY[:8] + b"\x01", memory_types=host_only)
+    assert "mem_type 1 (cuda) is not accepted here (host)" in reason
+
+
+def test_descriptor_carries_a_cuda_key_unchanged() -> None:
+    """The descriptor's wire is memory-type agnostic (UCX writes the type into the key): a
+    CUDA key round-trips through the 29-byte header, and the pre-parse still sees CUDA."""
+    key = build_key({1: b"\x05" * 30}, mem_type=MemoryType.CUDA)
+    wire = RdmaDescriptor(generation=7, addr=0x7F00_0000_0000, length=1 << 28, rkey=key).encode()
+    decoded = RdmaDescriptor.decode(wire)
+    assert decoded.rkey == key
+    assert parse_packed_rkey(decoded.rkey).mem_type == MemoryType.CUDA
+    garbage = RdmaDescriptor.decode(
+        RdmaDescriptor(generation=7, addr=1, length=1, rkey=key[:8] + b"\x7f" + key[9:]).encode()
+    )  # framing passes: the key is the pre-parse's to refuse, before UCX sees it
+    with pytest.raises(DescriptorError, match="out of range"):
+        check_packed_rkey(garbage.rkey)
 
 
 def test_length_limit() -> None:
@@ -148,7 +186,7 @@ def test_arbitrary_bytes_raise_only_descriptor_error(blob: bytes) -> None:
         layout = parse_packed_rkey(blob)
     except DescriptorError:
         return
-    assert layout.length == len(blob) and layout.mem_type == 0
+    assert layout.length == len(blob) and layout.mem_type in SUPPORTED_MEMORY_TYPES
 
 
 def test_rkey_module_loads_no_ucx() -> None:

@@ -1,0 +1,79 @@
+"""Memory types: where a payload's bytes live (host or a CUDA device), as UCX numbers them.
+
+UCX writes the memory type of registered memory into every packed key (one byte after the
+md_map, ``ucs_memory_type_t``), and ``ucp_mem_map`` takes it as a parameter. This library
+moves host memory and CUDA memory (device and managed); every other type UCX knows (ROCm,
+Level Zero, Gaudi, RDMA) is refused, and so is any number UCX does not know, because a bad
+memory-type byte crashes ``ucp_ep_rkey_unpack`` (research/ucx.md §6).
+
+The torch device of a payload (``TypeHeader.device``: ``"cpu"`` or ``"cuda"``) maps to a memory
+type here too, so the payload layer, the pre-parse and the registrar share one table. Pure:
+imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = [
+    "DEVICE_KINDS",
+    "SUPPORTED_MEMORY_TYPES",
+    "UCS_MEMORY_TYPE_LAST",
+    "MemoryType",
+    "device_kind",
+    "memory_type_name",
+]
+
+
+class MemoryType(IntEnum):
+    """``ucs_memory_type_t`` (UCX 1.22 ``src/ucs/memory/memory_type.h``), in its order."""
+
+    HOST = 0
+    CUDA = 1
+    CUDA_MANAGED = 2
+    ROCM = 3
+    ROCM_MANAGED = 4
+    RDMA = 5
+    ZE_HOST = 6
+    ZE_DEVICE = 7
+    ZE_MANAGED = 8
+    GAUDI = 9
+
+
+UCS_MEMORY_TYPE_LAST = 10
+"""One past the last memory type UCX 1.22 knows: a key byte at or above it is garbage."""
+
+SUPPORTED_MEMORY_TYPES = frozenset({MemoryType.HOST, MemoryType.CUDA, MemoryType.CUDA_MANAGED})
+"""The memory types this library registers, describes and GETs."""
+
+DEVICE_KINDS = ("cpu", "cuda")
+"""The torch device kinds a ``TypeHeader.device`` may name (no index: the consumer picks one)."""
+
+_DEVICE_OF_TYPE = {
+    MemoryType.HOST: "cpu",
+    MemoryType.CUDA: "cuda",
+    MemoryType.CUDA_MANAGED: "cuda",
+}
+
+
+def memory_type_name(value: int) -> str:
+    """``"host"``, ``"cuda"``, ... for a memory-type number; ``"unknown(N)"`` for garbage."""
+    try:
+        return MemoryType(value).name.lower()
+    except ValueError:
+        return f"unknown({value})"
+
+
+def device_kind(memory_type: int) -> str:
+    """The torch device kind (``"cpu"`` / ``"cuda"``) whose memory has this type.
+
+    Raises:
+        ValueError: the memory type is not one this library moves.
+    """
+    try:
+        return _DEVICE_OF_TYPE[MemoryType(memory_type)]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"memory type {memory_type_name(memory_type)} is not one ray_velo moves "
+            f"({', '.join(sorted(memory_type_name(t) for t in SUPPORTED_MEMORY_TYPES))})"
+        ) from None
