@@ -38,7 +38,7 @@ from ray_velo.actors.directory import (
 from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import RegionDeregistered
 from ray_velo.local.records import LocalLease, Reservation
-from ray_velo.payload import from_bytes_view
+from ray_velo.payload import check_fetch_device, from_bytes_view
 from ray_velo.protocol import (
     DataHandle,
     DetachRequest,
@@ -167,7 +167,8 @@ def put(
 
     Args:
         obj: a numpy array (any dtype/shape; non-contiguous is made contiguous), a bytes-like
-            object, or a CPU torch tensor.
+            object, or a torch tensor on the CPU or a CUDA device (a CUDA tensor is staged
+            through host memory where the node has no GPU arena: docs/gpu.md).
         pinned: stage in RDMA-registered memory when possible (never fails for lack of it).
         ttl: end the handle this many seconds after staging, whatever its leases (views
             already handed out keep their bytes).
@@ -197,27 +198,41 @@ def register_data_pinned(data: Any, *, lifetime: str | None = None) -> DataHandl
 # --- reading ---------------------------------------------------------------------------
 
 
-def fetch(handle: DataHandle, *, release: bool = True, timeout: float | None = None) -> Any:
+def fetch(
+    handle: DataHandle,
+    *,
+    release: bool = True,
+    timeout: float | None = None,
+    device: Any = None,
+) -> Any:
     """The typed object staged under ``handle``.
 
     On the owner's node numpy arrays come back as read-only zero-copy views of the shared
     segment; elsewhere the bytes are brought to this node once (a second fetch on the node
     while the first copy is alive reuses it) and viewed there. ``bytes`` come back as
-    ``bytes`` (one copy), torch tensors as tensors (one copy).
+    ``bytes`` (one copy), torch tensors as tensors (one copy). A tensor put from a CUDA
+    device comes back on this process's current CUDA device, or on the CPU in a process
+    without one (docs/gpu.md).
 
     Args:
         release: consume a reference (the owner's handle ends at zero: every later fetch
             is refused, while this fetch's view keeps its bytes).
         timeout: bound on the fetch in seconds (``staged_fetch_timeout`` bounds it too).
+        device: where a torch tensor goes: ``"cpu"``, ``"cuda"`` (the current device),
+            ``"cuda:N"`` or a ``torch.device``; None: the rule above. Numpy arrays and
+            bytes ignore it.
 
     Raises:
+        ConfigError: ``device`` names a device this process does not have (checked before
+            anything is fetched or consumed).
         HandleNotFound: the handle was released, expired, or its owner restarted.
         HandleReleased: ``release`` and every reference is claimed by other consumers.
         OwnerDied: the owner's agent or node is gone.
         TransferTimeout: the fetch did not finish within its bound.
         PayloadTooLarge: over this node's ``staged_payload_max``; the staged copy is freed.
     """
-    return session.read(session.lease(handle, "release" if release else "detach", timeout))
+    target = check_fetch_device(device)
+    return session.read(session.lease(handle, "release" if release else "detach", timeout), target)
 
 
 def _owner_call(handle: DataHandle, method: str, message: Any) -> Any:
@@ -289,9 +304,10 @@ class PinnedBuf:
     def memoryview(self) -> memoryview:
         return self.array.data
 
-    def typed(self) -> Any:
-        """The staged object rebuilt over these bytes (zero-copy for numpy)."""
-        return from_bytes_view(self.type_header, self.array)
+    def typed(self, device: Any = None) -> Any:
+        """The staged object rebuilt over these bytes (zero-copy for numpy; ``device`` as
+        in :func:`fetch`)."""
+        return from_bytes_view(self.type_header, self.array, device=check_fetch_device(device))
 
 
 def get_pinned(handle: DataHandle, *, timeout: float | None = None) -> tuple[PinnedBuf, int]:

@@ -91,7 +91,7 @@ class UnsupportedPayload(VeloError, TypeError):
     def _describe(self) -> str:
         return (
             f"cannot stage a {self.fields.get('type_name')}: pass a numpy array, a bytes-like "
-            "object (bytes, bytearray, memoryview) or a CPU torch tensor"
+            "object (bytes, bytearray, memoryview) or a torch tensor on the CPU or a CUDA device"
         )
 
 

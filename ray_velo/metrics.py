@@ -17,7 +17,8 @@ Spec series (name inside Ray -> exported name):
 
 Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {path},
 ``velo_live_slots``, ``velo_staged_bytes``, ``velo_arenas`` {pool}, ``velo_rdma_budget_bytes``,
-``velo_transparent_inline`` (transparent payloads that no mapped arena could take).
+``velo_transparent_inline`` (transparent payloads that no mapped arena could take),
+``velo_device_staged`` {reason} (CUDA tensors staged through host memory).
 
 Every counter exists from the agent's start (at 0, for each label value it can take) and
 every gauge is set then and re-set on the agent's timer (:data:`GAUGE_REFRESH_S`), so a
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray_velo.protocol.path import (
     CONSUMER_FAILURE_REASONS,
+    DEVICE_STAGING_REASONS,
     OWNER_REFUSAL_REASONS,
     STAGING_FALLBACK_REASONS,
 )
@@ -57,6 +59,11 @@ _log = logging.getLogger(__name__)
 
 #: How often the agent re-sets every gauge, so Ray's export never drops a quiet one (s).
 GAUGE_REFRESH_S = 5.0
+#: The help text of ``velo_device_staged`` (Ray's export and the standalone registry).
+DEVICE_STAGED_HELP = (
+    "CUDA tensors staged through host memory (one device-to-host copy) instead of a GPU "
+    "arena, by reason."
+)
 #: Every (path, reason) pair the path counter can count: each exists at 0 from the start.
 INLINE_HELP = (
     "Transparent payloads no mapped arena could take: they travelled inside the Ray call, "
@@ -129,6 +136,7 @@ class _RayExport:
             self.bytes_moved,
             self.fetch_duration,
             self.relayed,
+            self.device_staged,
             self.live_slots,
             self.staged_bytes,
         ):
@@ -200,6 +208,9 @@ class _RayExport:
             INLINE_HELP,
             tag_keys=("node",),
         )
+        self.device_staged = rm.Counter(
+            "velo_device_staged", DEVICE_STAGED_HELP, tag_keys=("reason", "node")
+        )
 
     def _prime(self) -> None:
         """Every counter at 0 for each label value it can take: Ray's ``inc`` refuses 0, so
@@ -214,6 +225,8 @@ class _RayExport:
         self.reaped._record(0)
         self.inline._record(0)
         self.relayed._record(0)
+        for reason in DEVICE_STAGING_REASONS:
+            self.device_staged._record(0, {"reason": reason})
         for kind in REGISTRATION_KINDS:
             self.registrations._record(0, {"kind": kind})
         for path in FETCH_PATHS:
@@ -249,6 +262,7 @@ class AgentMetrics:
         self.bytes_moved: Counter[str] = Counter()
         self.fetches: Counter[str] = Counter()
         self.relay_fetches_total = 0
+        self.device_staged_total: Counter[str] = Counter(dict.fromkeys(DEVICE_STAGING_REASONS, 0))
         self.live_slots = 0
         self.staged_bytes = 0
         self.arenas: dict[str, int] = dict.fromkeys(ARENA_POOLS, 0)
@@ -286,6 +300,14 @@ class AgentMetrics:
             self.leases_reaped_total += count
         if self._ray is not None:
             self._ray.reaped.inc(count)
+
+    def device_staged(self, reason: str) -> None:
+        """Count one CUDA tensor staged through host memory (``reason``: one of
+        ``DEVICE_STAGING_REASONS``)."""
+        with self._lock:
+            self.device_staged_total[reason] += 1
+        if self._ray is not None:
+            self._ray.device_staged.inc(1, {"reason": reason})
 
     def transparent_declined(self) -> None:
         """Count one transparent payload that no mapped arena could take (it travels inside
@@ -376,6 +398,7 @@ class AgentMetrics:
                 "velo_bytes_moved_total": dict(self.bytes_moved),
                 "velo_fetches_total": dict(self.fetches),
                 "velo_relay_fetches_total": self.relay_fetches_total,
+                "velo_device_staged_total": dict(self.device_staged_total),
                 "velo_live_slots": self.live_slots,
                 "velo_staged_bytes": self.staged_bytes,
                 "velo_arenas": dict(self.arenas),
@@ -432,6 +455,7 @@ class _SnapshotFamilies:
     budget: GaugeMetricFamily
     inline: CounterMetricFamily
     relayed: CounterMetricFamily
+    device_staged: CounterMetricFamily
 
     @classmethod
     def create(cls) -> _SnapshotFamilies:
@@ -485,6 +509,9 @@ class _SnapshotFamilies:
                 "velo_rdma_budget_bytes", "The registered-bytes budget.", labels=("node",)
             ),
             inline=CounterMetricFamily("velo_transparent_inline", INLINE_HELP, labels=("node",)),
+            device_staged=CounterMetricFamily(
+                "velo_device_staged", DEVICE_STAGED_HELP, labels=("reason", "node")
+            ),
         )
 
     def add_snapshot(self, node: str, snap: dict[str, Any]) -> None:
@@ -512,6 +539,8 @@ class _SnapshotFamilies:
         self.budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
         self.inline.add_metric((node,), snap.get("velo_transparent_inline_total", 0))
         self.relayed.add_metric((node,), snap.get("velo_relay_fetches_total", 0))
+        for reason, n in snap.get("velo_device_staged_total", {}).items():
+            self.device_staged.add_metric((reason, node), n)
 
     def in_export_order(self) -> tuple[Metric, ...]:
         """The families in the order a scrape lists them."""
@@ -528,6 +557,7 @@ class _SnapshotFamilies:
             self.bytes_moved,
             self.fetches,
             self.relayed,
+            self.device_staged,
             self.live_slots,
             self.staged_bytes,
         )

@@ -396,14 +396,15 @@ def leased_array(local: LocalLease) -> np.ndarray[Any, Any]:
     return np.asarray(exporter)
 
 
-def read(local: LocalLease) -> Any:
+def read(local: LocalLease, device: str | None = None) -> Any:
     """The typed object over a local lease; numpy views end the lease when collected, the
-    other kinds (copied out) end it at once."""
+    other kinds (copied out, to a CUDA device for a tensor that goes there) end it at once.
+    ``device``: where a torch tensor goes (``payload.fetch_device``)."""
     header = local.type_header
     if local.total_len == 0 or header.kind in ("bytes", "torch"):
         try:
             data: Any = b"" if local.total_len == 0 else view_of(local)
-            return from_bytes_view(header, data, copy=header.kind == "torch")
+            return from_bytes_view(header, data, copy=header.kind == "torch", device=device)
         finally:
             end_lease(current(), local.handle, local.lease_id)
     return from_bytes_view(header, leased_array(local))

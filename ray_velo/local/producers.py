@@ -11,6 +11,7 @@ from __future__ import annotations
 from ray_velo.core import AgentCore
 from ray_velo.local.records import Reservation
 from ray_velo.protocol import DataHandle, TypeHeader
+from ray_velo.protocol.path import DEVICE_STAGING_REASONS
 
 __all__ = ["ProducerService"]
 
@@ -103,6 +104,10 @@ class ProducerService:
         finally:
             if pending is not None:
                 core.commits.landed(pending.slot_id)
+        if type_header.device != "cpu":
+            # This agent has no GPU arena pool (yet): the producer copied the tensor to host
+            # memory, and the consumer copies it back to its device.
+            core.metrics.device_staged(DEVICE_STAGING_REASONS[0])
         return DataHandle(handle.worker_id, handle.slot_id, core.node_id)
 
     def abort(self, reservation_id: int, why: str = "its producer aborted staging it") -> None:

@@ -83,12 +83,15 @@ class TypeHeader:
 
     ``kind`` is ``bytes`` (raw bytes), ``numpy`` or ``torch``; ``dtype`` is a numpy dtype
     string; ``shape`` the array shape; ``order`` "C" (staged bytes are always contiguous).
+    ``device``: the torch device kind the tensor was on when staged (``"cpu"`` or ``"cuda"``,
+    no index: the consumer picks its own device); ``"cpu"``, as before the field existed.
     """
 
     kind: str = "bytes"
     dtype: str = "|u1"
     shape: tuple[int, ...] = ()
     order: str = "C"
+    device: str = "cpu"
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from ray_velo.protocol.messages import RdmaOffer
 
 __all__ = [
     "CONSUMER_FAILURE_REASONS",
+    "DEVICE_STAGING_REASONS",
     "OWNER_REFUSAL_REASONS",
     "STAGING_FALLBACK_REASONS",
     "ConsumerOffer",
@@ -60,6 +61,10 @@ OWNER_REFUSAL_REASONS = (
 CONSUMER_FAILURE_REASONS = ("decode_error", "pool_exhausted", "get_failed")
 #: Reasons the owner records when register_data_pinned falls back to plain memory.
 STAGING_FALLBACK_REASONS = ("kill_switch", "budget", "pool_exhausted")
+#: Reasons the owner records (``velo_device_staged``) when a CUDA tensor is staged through
+#: host memory (one device-to-host copy) instead of a GPU arena of its node. ``no_gpu_arena``:
+#: the node's agent has no GPU arena pool (no CUDA-capable UCX, no GPU, or none configured).
+DEVICE_STAGING_REASONS = ("no_gpu_arena",)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from ray_velo.errors import DescriptorError, ProtocolError
 from ray_velo.protocol import messages
 from ray_velo.protocol.descriptor import MAX_DESCRIPTOR_RKEY_BYTES, RdmaDescriptor
 from ray_velo.protocol.handle import DataHandle
+from ray_velo.protocol.memtype import SUPPORTED_MEMORY_TYPES
 from ray_velo.ucx.rkey import MAX_MD_MAP_BITS, PACKED_RKEY_MAX_BYTES, parse_packed_rkey
 
 INPUTS_PER_DECODER = 100_000
@@ -212,7 +213,10 @@ def valid_rkey(rng: random.Random) -> bytes:
 def decode_rkey(blob: bytes) -> None:
     layout = parse_packed_rkey(blob)
     assert layout.length == len(blob) <= PACKED_RKEY_MAX_BYTES
-    assert layout.mem_type == 0 and len(layout.tl_rkey_sizes) == layout.md_map.bit_count()
+    assert (
+        layout.mem_type in SUPPORTED_MEMORY_TYPES
+        and len(layout.tl_rkey_sizes) == layout.md_map.bit_count()
+    )
 
 
 @pytest.mark.slow
