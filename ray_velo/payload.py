@@ -32,7 +32,9 @@ __all__ = [
     "dtype_to_wire",
     "fetch_device",
     "from_bytes_view",
+    "host_tensor",
     "payload_nbytes",
+    "to_fetch_device",
 ]
 
 
@@ -89,7 +91,7 @@ def as_bytes_view(obj: Any) -> tuple[TypeHeader, memoryview]:
             raise UnsupportedPayload(type_name=f"torch tensor on {obj.device}")
         if not _numpy_can_hold(torch, obj.dtype):  # checked first: no device copy in vain
             raise UnsupportedPayload(type_name=f"torch tensor of dtype {obj.dtype}")
-        array = _host_tensor(obj).numpy()
+        array = host_tensor(obj).numpy()
         header = TypeHeader("torch", array.dtype.str, tuple(array.shape), device=device)
         return header, _flat_bytes(array)
     if isinstance(obj, np.ndarray):
@@ -141,10 +143,22 @@ def _numpy_can_hold(torch: Any, dtype: Any) -> bool:
     return known
 
 
-def _host_tensor(tensor: Any) -> Any:
+def host_tensor(tensor: Any) -> Any:
     """A contiguous CPU tensor with ``tensor``'s values: for a CUDA tensor, one synchronous
     device-to-host copy (the staging fallback when the owner's node has no GPU arena)."""
     return tensor.detach().contiguous().cpu()
+
+
+def to_fetch_device(tensor: Any, staged: str, requested: str | None = None) -> Any:
+    """``tensor`` (a CPU tensor of fetched bytes) on the device :func:`fetch_device` picks
+    for a tensor staged from ``staged``: itself when that is the CPU, else one synchronous
+    host-to-device copy.
+
+    Raises:
+        ConfigError: ``requested`` names a device this process does not have.
+    """
+    target = fetch_device(staged, requested, *_cuda_facts())
+    return tensor if target == "cpu" else tensor.to(target, non_blocking=False)
 
 
 def _to_device(torch: Any, array: np.ndarray[Any, Any], device: str) -> Any:

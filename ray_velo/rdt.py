@@ -4,7 +4,8 @@ Ray (2.5x and later) lets a library move an actor method's returned tensors out 
 (``ray.experimental.register_tensor_transport``). ``rv.init()`` registers two one-sided
 transports backed by the node agents:
 
-- ``"VELO"``: torch tensors (CPU; every dtype, bfloat16 included, travels as raw bytes),
+- ``"VELO"``: torch tensors on the CPU or a CUDA device (every dtype, bfloat16 included,
+  travels as raw bytes),
 - ``"VELO_NUMPY"``: numpy arrays.
 
 Lifetimes, in one place:
@@ -20,6 +21,10 @@ Lifetimes, in one place:
   arrays come back as read-only views that keep their bytes while they live (as Ray's own
   ``ray.get`` does); torch tensors are private, writable copies, or land in the caller's
   ``target_buffers``.
+- CUDA tensors (docs/gpu.md): with no GPU arena on the source's node they are staged through
+  host memory (one device-to-host copy each, counted by the agent in ``velo_device_staged``),
+  and a receiver rebuilds them on its current CUDA device (one host-to-device copy), or on
+  the CPU when it has none; a CUDA target buffer is filled from the host copy.
 
 Ray registers a serializer for the transport's data type in every process that returns an
 RDT object, and its fallback for ordinary returns of that type pickles in band (a copy, and
@@ -47,6 +52,7 @@ from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
 from ray_velo import session
 from ray_velo.errors import TransferError, UnsupportedPayload
+from ray_velo.payload import host_tensor, to_fetch_device
 from ray_velo.protocol import DataHandle
 
 __all__ = [
@@ -102,6 +108,8 @@ class VeloNumpyTransport(TensorTransportManager):
     """``tensor_transport="VELO_NUMPY"``: numpy arrays through the node agents."""
 
     backend = VELO_NUMPY
+    #: The torch device types Ray may hand this transport (``register_tensor_transport``).
+    devices: tuple[str, ...] = ("cpu",)
 
     def __init__(self) -> None:
         self._aborted: set[str] = set()
@@ -161,7 +169,7 @@ class VeloNumpyTransport(TensorTransportManager):
             )
         device = devices.pop() if devices else None
         tensor_meta = [self._meta(value) for value in rdt_object]
-        if device not in (None, "cpu"):
+        if device not in (None, *self.devices):
             # Nothing staged: Ray refuses the device, naming it and the transport.
             return VeloTransportMetadata(tensor_meta=tensor_meta, tensor_device=device)
         handles: list[DataHandle | None] = []
@@ -205,8 +213,14 @@ class VeloNumpyTransport(TensorTransportManager):
         for index, handle in enumerate(meta.handles):
             shape, dtype = meta.tensor_meta[index]
             target = target_buffers[index] if target_buffers is not None else None
-            out.append(self._receive(handle, shape, dtype, target, meta.fetch_timeout_s))
+            received = self._receive(handle, shape, dtype, target, meta.fetch_timeout_s)
+            out.append(self._placed(received, meta.tensor_device, target))
         return out
+
+    def _placed(self, received: Any, staged_from: str | None, target: Any) -> Any:
+        """A received value on the device its object was staged from (VELO: CUDA tensors go
+        to the receiver's current device); numpy arrays and filled targets as they are."""
+        return received
 
     def send_multiple_tensors(
         self,
@@ -274,9 +288,10 @@ class VeloNumpyTransport(TensorTransportManager):
 
 
 class VeloTensorTransport(VeloNumpyTransport):
-    """``tensor_transport="VELO"``: torch tensors (CPU) through the node agents."""
+    """``tensor_transport="VELO"``: torch tensors (CPU or CUDA) through the node agents."""
 
     backend = VELO
+    devices = ("cpu", "cuda")
 
     @staticmethod
     def data_type() -> type:
@@ -298,9 +313,18 @@ class VeloTensorTransport(VeloNumpyTransport):
     def _stage(self, value: Any) -> DataHandle | None:
         if value.numel() == 0:
             return None
-        # Raw bytes: any dtype travels, bfloat16 included (numpy has none).
-        flat = value.detach().contiguous().reshape(-1).view(_uint8())
-        return session.stage(flat.numpy(), pinned=True, ttl=None, follow_producer=True)
+        # Raw bytes: any dtype travels, bfloat16 included (numpy has none). A CUDA tensor is
+        # copied to host memory once (no GPU arena yet), and the agent counts it as such.
+        device = value.device.type
+        flat = host_tensor(value).reshape(-1).view(_uint8())
+        return session.stage(
+            flat.numpy(), pinned=True, ttl=None, follow_producer=True, staged_from=device
+        )
+
+    def _placed(self, received: Any, staged_from: str | None, target: Any) -> Any:
+        if target is not None or staged_from != "cuda":
+            return received
+        return to_fetch_device(received, staged_from)
 
     def _receive(
         self,
@@ -316,11 +340,14 @@ class VeloTensorTransport(VeloNumpyTransport):
             return torch.empty(shape, dtype=dtype) if target is None else target
         if target is None:
             return self._receive_owned(handle, shape, dtype, timeout_s)
-        if not target.is_contiguous() or target.device.type != "cpu":
+        if not target.is_contiguous() or target.device.type not in self.devices:
             raise ValueError(
-                f"target buffer for {handle} must be a contiguous CPU tensor, got one on "
-                f"{target.device} (contiguous: {target.is_contiguous()})"
+                f"target buffer for {handle} must be a contiguous CPU or CUDA tensor, got "
+                f"one on {target.device} (contiguous: {target.is_contiguous()})"
             )
+        if target.device.type != "cpu":
+            host = self._receive_owned(handle, shape, dtype, timeout_s)
+            return _fill_device_target(target, host)
         view = session.read(session.lease(handle, "detach", timeout_s))
         _copy_checked(target.reshape(-1).view(_uint8()).numpy(), view, handle)
         return target
@@ -369,6 +396,17 @@ class _WriterBytes:
         }
 
 
+def _fill_device_target(target: Any, host: Any) -> Any:
+    """Copy a received CPU tensor into a CUDA target buffer (one host-to-device copy)."""
+    if target.numel() * target.element_size() != host.numel() * host.element_size():
+        raise ValueError(
+            f"target buffer holds {target.numel() * target.element_size()} bytes, the "
+            f"tensor {host.numel() * host.element_size()}"
+        )
+    target.reshape(-1).view(_uint8()).copy_(host.reshape(-1).view(_uint8()))
+    return target
+
+
 def _uint8() -> Any:
     import torch
 
@@ -412,7 +450,7 @@ def register_transports(*, import_torch: bool = True) -> list[str]:
     for name, manager in wanted:
         if name in transport_manager_info:
             continue
-        register_tensor_transport(name, ["cpu"], manager, manager.data_type())
+        register_tensor_transport(name, list(manager.devices), manager, manager.data_type())
         done.append(name)
     return done
 

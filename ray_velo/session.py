@@ -16,6 +16,7 @@ Units: sizes in bytes, durations in seconds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -236,15 +237,21 @@ def stage(
     consumers: int = 1,
     follow_producer: bool = False,
     lifetime: str | None = None,
+    staged_from: str | None = None,
 ) -> DataHandle:
     """Stage ``obj`` on this node's agent with ``consumers`` references; its handle (with
     ``follow_producer`` the handle also ends when this process dies). The handle ends with
-    this process's Ray job unless ``lifetime`` is ``"detached"``.
+    this process's Ray job unless ``lifetime`` is ``"detached"``. ``staged_from``: the
+    device ``obj``'s bytes were copied from (a transport that stages a CUDA tensor's bytes
+    as a host array says ``"cuda"``, so the agent counts the staging); None: ``obj``'s own.
 
     Returns as soon as the bytes are written: the commit is sent without waiting, and a call
     that names the handle before it lands waits for it on the agent.
     """
-    handle = _stage(obj, pinned, ttl, consumers, follow_producer, lifetime, may_map=True)
+    handle = _stage(
+        obj, pinned, ttl, consumers, follow_producer, lifetime, may_map=True,
+        staged_from=staged_from,
+    )  # fmt: skip
     assert handle is not None  # a reservation that may map is never declined
     return handle
 
@@ -268,12 +275,15 @@ def _stage(
     lifetime: str | None,
     *,
     may_map: bool,
+    staged_from: str | None = None,
 ) -> DataHandle | None:
     if ttl is not None and not ttl > 0:
         raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
     detached = check_lifetime(lifetime)
     job, in_detached_actor = staging_job()
     header, view = as_bytes_view(obj)
+    if staged_from is not None:
+        header = dataclasses.replace(header, device=staged_from)
     nbytes = view.nbytes
 
     def reserve() -> tuple[Session, Reservation | None]:

@@ -42,13 +42,13 @@ def fake_cuda(tensor: Any) -> Any:
 def host_copies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The shapes of the tensors copied device-to-host by staging."""
     seen: list[tuple[int, ...]] = []
-    real = payload._host_tensor
+    real = payload.host_tensor
 
     def spy(tensor: Any) -> Any:
         seen.append(tuple(tensor.shape))
         return torch.Tensor(real(tensor))  # a plain CPU tensor, as .cpu() gives
 
-    monkeypatch.setattr(payload, "_host_tensor", spy)
+    monkeypatch.setattr(payload, "host_tensor", spy)
     return seen
 
 
