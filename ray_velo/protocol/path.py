@@ -63,8 +63,10 @@ CONSUMER_FAILURE_REASONS = ("decode_error", "pool_exhausted", "get_failed")
 STAGING_FALLBACK_REASONS = ("kill_switch", "budget", "pool_exhausted")
 #: Reasons the owner records (``velo_device_staged``) when a CUDA tensor is staged through
 #: host memory (one device-to-host copy) instead of a GPU arena of its node. ``no_gpu_arena``:
-#: the node's agent has no GPU arena pool (no CUDA-capable UCX, no GPU, or none configured).
-DEVICE_STAGING_REASONS = ("no_gpu_arena",)
+#: the tensor's GPU has no open arena (no CUDA-capable UCX, no GPU arena configured, its
+#: allocation or registration failed); ``gpu_budget``: the GPU's device budget cannot take
+#: the arena; ``gpu_pool_exhausted``: the arena has no free range that large.
+DEVICE_STAGING_REASONS = ("no_gpu_arena", "gpu_budget", "gpu_pool_exhausted")
 
 
 @dataclass(frozen=True, slots=True)
