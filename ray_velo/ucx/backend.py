@@ -28,7 +28,14 @@ from ray_velo.errors import DescriptorError, UcxError
 from ray_velo.memory.pool import Registration
 from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
 from ray_velo.protocol.memtype import MemoryType
-from ray_velo.ucx.binding import Endpoint, MemoryRegistration, RemoteKey, UcxContext, UcxWorker
+from ray_velo.ucx.binding import (
+    HOST_MEMORY_ONLY,
+    Endpoint,
+    MemoryRegistration,
+    RemoteKey,
+    UcxContext,
+    UcxWorker,
+)
 from ray_velo.ucx.binding import get as ucx_get
 
 __all__ = ["UcxRdmaBackend", "UcxRegistrar"]
@@ -76,6 +83,9 @@ class UcxRdmaBackend:
             raise
         self.address: bytes = self.worker.address
         self.registrar = UcxRegistrar(self.context)
+        # The memory an owner's key may name: host until this agent has GPU arenas (and so
+        # a CUDA-capable UCX); docs/gpu.md.
+        self.remote_memory_types: frozenset[MemoryType] = HOST_MEMORY_ONLY
         self._lock = threading.Lock()
         self._peer_addresses: dict[str, bytes] = {}
         self._peer_workers: dict[str, int] = {}
@@ -197,7 +207,7 @@ class UcxRdmaBackend:
             UcxError: the GET failed or timed out.
         """
         endpoint = self._endpoint(node)
-        rkey = RemoteKey(endpoint, descriptor.rkey)
+        rkey = RemoteKey(endpoint, descriptor.rkey, self.remote_memory_types)
         try:
             stop = descriptor.length if stop is None else stop
             if not 0 <= start <= stop <= descriptor.length:

@@ -68,6 +68,9 @@ __all__ = [
     "get",
 ]
 
+#: What a RemoteKey accepts unless told more (see RemoteKey).
+HOST_MEMORY_ONLY = frozenset({MemoryType.HOST})
+
 _log = logging.getLogger(__name__)
 
 DEFAULT_CLOSE_TIMEOUT_S: Final = 5.0
@@ -868,6 +871,9 @@ class RemoteKey(_Node):
 
     The blob is pre-parsed first (:func:`ray_velo.ucx.rkey.check_packed_rkey`): UCX reads it
     without a length, and a corrupt one is an out-of-bounds read or a crash inside UCX.
+    ``memory_types``: the memory a key may name. Host only unless the caller says more: a
+    consumer widens it to CUDA only where its own UCX moves CUDA memory (a GPU arena
+    consumer), so a host key relabelled CUDA never reaches a UCX that has no CUDA domain.
 
     Raises:
         DescriptorError: the pre-parse refuses the blob (it never reaches UCX).
@@ -876,10 +882,15 @@ class RemoteKey(_Node):
 
     _kind = "UCX remote key"
 
-    def __init__(self, endpoint: Endpoint, packed: bytes) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        packed: bytes,
+        memory_types: frozenset[MemoryType] = HOST_MEMORY_ONLY,
+    ) -> None:
         super().__init__()
         blob = bytes(packed)
-        check_packed_rkey(blob)
+        check_packed_rkey(blob, memory_types=memory_types)
         self.endpoint = endpoint
         self._b = endpoint._b
         ffi, lib = self._b
