@@ -207,3 +207,18 @@ def test_a_cpu_tensor_counts_no_device_staging(pair: AgentPair) -> None:
     pair.put(torch.ones(1024))
     staged = pair.owner.core.metrics.snapshot()["velo_device_staged_total"]
     assert sum(staged.values()) == 0
+
+
+def test_device_staging_is_exported_with_every_reason() -> None:
+    """velo_device_staged{reason} exists at 0 for each reason and counts in the standalone
+    Prometheus rendering (Ray's export primes the same labels)."""
+    from prometheus_client import generate_latest
+
+    from ray_velo.metrics import AgentMetrics, prometheus_registry
+
+    metrics = AgentMetrics("n1", export_to_ray=False)
+    metrics.device_staged("gpu_pool_exhausted")
+    text = generate_latest(prometheus_registry({"n1": metrics.snapshot()})).decode()
+    assert 'velo_device_staged_total{node="n1",reason="gpu_pool_exhausted"} 1.0' in text
+    assert 'velo_device_staged_total{node="n1",reason="no_gpu_arena"} 0.0' in text
+    assert 'velo_device_staged_total{node="n1",reason="gpu_budget"} 0.0' in text
