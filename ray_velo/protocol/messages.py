@@ -71,10 +71,13 @@ class RdmaOffer:
 
     ``windows``: it can GET a payload staged in plain memory through windows the owner
     registers one after another (``_rv_window``). False, as before the field existed.
+    ``memory_types``: the memory it can GET from (``"host"``, ``"cuda"``: a consumer with GPU
+    arenas and a CUDA-capable UCX); host only, as before the field existed.
     """
 
     backends: tuple[str, ...] = ("ucx",)
     windows: bool = False
+    memory_types: tuple[str, ...] = ("host",)
 
 
 @dataclass(frozen=True, slots=True)

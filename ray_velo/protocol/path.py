@@ -12,6 +12,7 @@ names the reason label recorded in ``velo_rendezvous_rdma_path_total{path="chunk
  4    the slot is staged in registered memory                          not_pinned
  5    the payload is at least rdma_min_bytes                           below_min
  6    the offer names the backend this owner serves ("ucx")            no_offer
+ 6b   the offer names the slot's memory type (host, or cuda)           no_offer
  7    the owner is not draining                                        draining
  8    the staging still exists and the descriptor encodes              not_pinned
 ====  ===============================================================  ===============
@@ -82,6 +83,7 @@ class OwnerFacts:
     draining: bool
     backend: str = "ucx"
     windowed: bool = False  # a plain slot, and the offer says the consumer takes windows
+    slot_memory_type: str = "host"  # "cuda" for a slot in a GPU arena
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,10 @@ def decide_path(
         return PathDecision("chunked", "below_min")
     if facts.backend not in facts.offer.backends:
         return PathDecision("chunked", "no_offer")
+    if facts.slot_memory_type not in facts.offer.memory_types:
+        # A consumer that cannot GET device memory (an old one, or one without GPU arenas):
+        # its offer does not cover this slot, so the owner serves it by chunks.
+        return PathDecision("chunked", "no_offer")
     if facts.draining:
         return PathDecision("chunked", "draining")
     if windowed:
@@ -146,9 +152,11 @@ def build_offer(
     backend: str = "ucx",
     *,
     windows: bool = False,
+    memory_types: tuple[str, ...] = ("host",),
 ) -> ConsumerOffer:
     """The consumer's offer from its three local facts; ``windows``: it can GET through
-    windows (it reaches the owner's ``_rv_window``).
+    windows (it reaches the owner's ``_rv_window``); ``memory_types``: the memory it can GET
+    from (``("host", "cuda")`` once it has GPU arenas).
 
     A peer not registered yet (cold start) gets no offer: the first transfer from an unknown
     owner pulls chunks, later ones take the RDMA path.
@@ -159,4 +167,5 @@ def build_offer(
         return ConsumerOffer(None, "kill_switch")
     if not peer_registered:
         return ConsumerOffer(None, "no_offer")
-    return ConsumerOffer(RdmaOffer(backends=(backend,), windows=windows), None)
+    offer = RdmaOffer(backends=(backend,), windows=windows, memory_types=memory_types)
+    return ConsumerOffer(offer, None)
