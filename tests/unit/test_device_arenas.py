@@ -4,10 +4,13 @@ the host budget, every shortage a counted fallback, teardown in the safe order."
 
 from __future__ import annotations
 
+import itertools
 import typing
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ray_velo.errors import ConfigError
 from ray_velo.memory.allocator import GRANULE_BYTES
@@ -185,3 +188,30 @@ def test_the_torch_allocator_refuses_loudly_without_a_gpu() -> None:
 
     with pytest.raises(RuntimeError, match="no CUDA device"):
         TorchCudaAllocator()
+
+
+@settings(max_examples=60)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 3 * MiB)), max_size=40))
+def test_any_sequence_of_allocations_and_frees_keeps_the_books(
+    steps: list[tuple[bool, int]],
+) -> None:
+    """Model: allocate (True) or free the oldest live placement (False), validating after
+    every step; placements never overlap; closing gives every byte and charge back."""
+    pool, devices, registrar = make_pool(arena_bytes=8 * MiB)
+    assert pool.open() is None
+    live: list[DevicePlacement] = []
+    for allocate, nbytes in steps:
+        if allocate:
+            got = pool.allocate(nbytes)
+            if isinstance(got, DevicePlacement):
+                live.append(got)
+            else:
+                assert got.reason == "gpu_pool_exhausted"
+        elif live:
+            pool.free(live.pop(0))
+        pool.validate()
+        spans = sorted((p.offset_bytes, p.offset_bytes + p.nbytes) for p in live)
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    pool.close()
+    assert (devices.live_bytes(0), registrar.live_registrations) == (0, 0)
+    assert pool.budget.registered_bytes == 0
