@@ -91,7 +91,10 @@ def as_bytes_view(obj: Any) -> tuple[TypeHeader, memoryview]:
             raise UnsupportedPayload(type_name=f"torch tensor on {obj.device}")
         if not _numpy_can_hold(torch, obj.dtype):  # checked first: no device copy in vain
             raise UnsupportedPayload(type_name=f"torch tensor of dtype {obj.dtype}")
-        array = host_tensor(obj).numpy()
+        try:
+            array = host_tensor(obj).numpy()
+        except (TypeError, RuntimeError) as exc:  # e.g. a conjugate-bit tensor
+            raise UnsupportedPayload(type_name=f"torch tensor ({exc})") from exc
         header = TypeHeader("torch", array.dtype.str, tuple(array.shape), device=device)
         return header, _flat_bytes(array)
     if isinstance(obj, np.ndarray):

@@ -16,6 +16,9 @@ tests in milliseconds::
         handle = pair.put(b"x" * (1 << 20), ttl=5.0)
         assert pair.fetch(handle) == b"x" * (1 << 20)
         assert pair.consumer_paths() == {"rdma/ok": 1}
+
+GPU memory without a GPU: :mod:`ray_velo.testing.device` (host memory labelled CUDA, and a
+registrar that records the memory type it maps) for the GPU arena pools.
 """
 
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma

@@ -222,3 +222,9 @@ def test_device_staging_is_exported_with_every_reason() -> None:
     assert 'velo_device_staged_total{node="n1",reason="gpu_pool_exhausted"} 1.0' in text
     assert 'velo_device_staged_total{node="n1",reason="no_gpu_arena"} 0.0' in text
     assert 'velo_device_staged_total{node="n1",reason="gpu_budget"} 0.0' in text
+
+
+def test_a_tensor_numpy_cannot_view_is_refused_as_unsupported() -> None:
+    """torch's own refusal (a conjugate-bit tensor) is mapped at the boundary."""
+    with pytest.raises(UnsupportedPayload, match="conjugate"):
+        payload.as_bytes_view(torch.ones(3, dtype=torch.complex64).conj())
