@@ -357,3 +357,17 @@ def test_a_reaped_lease_closes_its_windows(windowed: AgentPair) -> None:
     with pytest.raises(HandleNotFound, match="RDMA lease was reaped"):  # the spec's force-release
         windowed.fetch(handle)
     assert windowed.owner.info()["live_slots"] == 0
+
+
+def test_a_held_lease_keeps_no_window_registered(windowed: AgentPair) -> None:
+    """The get family keeps the owner's lease after the bytes moved: its windows are
+    unregistered at once (the charge stays with the lease until it ends)."""
+    log: list[tuple[str, int]] = []
+    registrar = watch(windowed.owner, log)
+    handle = windowed.put(payload(20 * MiB))
+    lease = windowed.lease(handle, mode="hold")
+    assert windowed.read(lease) == payload(20 * MiB).tobytes()
+    assert registrar.live_registrations == 0
+    assert windowed.owner.core.memory.budget.registered_bytes == 2 * MiB  # the lease's charge
+    windowed.end(lease)
+    windowed.consumer.release_quietly(handle)
