@@ -322,10 +322,12 @@ def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:
 
 
 def remove_segments_of(pids: Sequence[int], directory: str = "/dev/shm") -> list[str]:
-    """Remove the ray_velo segments that the (now ended) processes ``pids`` created."""
+    """Remove the ray_velo segments and agent sockets that the (now ended) processes
+    ``pids`` created."""
     from ray_velo.memory.arena import SEGMENT_PREFIX
 
     prefixes = tuple(f"{SEGMENT_PREFIX}{pid}-" for pid in pids)
+    prefixes += tuple(f"ray_velo_agent-{pid}-" for pid in pids)  # the agents' Unix sockets
     removed: list[str] = []
     try:
         names = os.listdir(directory)
