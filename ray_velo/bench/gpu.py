@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import multiprocessing
 import statistics
 import sys
 import time
@@ -119,25 +118,13 @@ def ucx_raw_cuda_get(nbytes: int, reps: int = 5) -> float:
     Raises:
         RuntimeError: the bytes came back wrong.
     """
-    ctx = multiprocessing.get_context("spawn")
-    owner_end, owner_conn = ctx.Pipe()
-    consumer_end, consumer_conn = ctx.Pipe()
-    owner = ctx.Process(target=_raw_owner, args=(owner_conn, nbytes))
-    consumer = ctx.Process(target=_raw_consumer, args=(consumer_conn, nbytes, reps))
-    owner.start()
-    consumer.start()
-    try:
-        consumer_end.send(owner_end.recv())
-        seconds, ok = consumer_end.recv()
-        owner_end.send("done")
-    finally:
-        for process in (owner, consumer):
-            process.join(60)
-            if process.is_alive():
-                process.kill()
-    if not ok:
-        raise RuntimeError("bare UCX GET of CUDA memory returned wrong bytes")
-    return float(seconds)
+    from ray_velo.bench.samehost import raw_pair
+
+    return raw_pair(
+        (_raw_owner, (nbytes,)),
+        (_raw_consumer, (nbytes, reps)),
+        "bare UCX GET of CUDA memory returned wrong bytes",
+    )
 
 
 # --- ray_velo and Ray's object store -----------------------------------------------------

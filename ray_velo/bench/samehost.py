@@ -148,24 +148,39 @@ def _raw_consumer(conn: Any, nbytes: int, reps: int, shm_dir: str) -> None:
 def ucx_raw_get(nbytes: int, reps: int = 5, shm_dir: str = "/dev/shm") -> float:
     """Median seconds of a bare UCX GET of ``nbytes`` between two fresh processes, from a
     /dev/shm segment into a /dev/shm segment (what the agents do), same UCX settings."""
+    return raw_pair(
+        (_raw_owner, (nbytes, shm_dir)),
+        (_raw_consumer, (nbytes, reps, shm_dir)),
+        "raw UCX GET returned wrong bytes",
+    )
+
+
+def raw_pair(
+    owner: tuple[Callable[..., None], tuple[Any, ...]],
+    consumer: tuple[Callable[..., None], tuple[Any, ...]],
+    wrong: str,
+) -> float:
+    """Run a bare owner process and a consumer process (each ``(target, args)``, the target
+    taking its pipe end first): the owner sends what to GET, the consumer answers (seconds,
+    bytes right); both are ended. Raises RuntimeError(``wrong``) when the bytes were wrong."""
     ctx = multiprocessing.get_context("spawn")
     owner_end, owner_conn = ctx.Pipe()
     consumer_end, consumer_conn = ctx.Pipe()
-    owner = ctx.Process(target=_raw_owner, args=(owner_conn, nbytes, shm_dir))
-    consumer = ctx.Process(target=_raw_consumer, args=(consumer_conn, nbytes, reps, shm_dir))
-    owner.start()
-    consumer.start()
+    owner_process = ctx.Process(target=owner[0], args=(owner_conn, *owner[1]))
+    consumer_process = ctx.Process(target=consumer[0], args=(consumer_conn, *consumer[1]))
+    owner_process.start()
+    consumer_process.start()
     try:
         consumer_end.send(owner_end.recv())
         seconds, ok = consumer_end.recv()
         owner_end.send("done")
     finally:
-        for process in (owner, consumer):
+        for process in (owner_process, consumer_process):
             process.join(60)
             if process.is_alive():
                 process.kill()
     if not ok:
-        raise RuntimeError("raw UCX GET returned wrong bytes")
+        raise RuntimeError(wrong)
     return float(seconds)
 
 

@@ -10,6 +10,7 @@ whole life (open, carve, free, close, every fallback) on a laptop::
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -19,7 +20,7 @@ from ray_velo.memory.device import DeviceMemory
 from ray_velo.memory.pool import NoopRegistrar, NoopRegistration, Registration
 from ray_velo.protocol.memtype import MemoryType
 
-__all__ = ["FakeDeviceAllocator", "FakeDeviceRegistrar"]
+__all__ = ["FakeDeviceAllocator", "FakeDeviceRegistrar", "fake_cuda"]
 
 
 class FakeDeviceAllocator:
@@ -91,3 +92,25 @@ class FakeDeviceRegistrar(NoopRegistrar):
             self.fail_unregistrations -= 1
             raise RuntimeError("ucp_mem_unmap failed (fake)")
         super().unregister(registration)
+
+
+def fake_cuda(tensor: Any) -> Any:
+    """A view of the CPU torch ``tensor`` whose ``device`` says ``cuda:0``: what the payload
+    layer and the tensor transport branch on, without a GPU (torch must be installed)."""
+    import torch
+
+    return torch.Tensor._make_subclass(_fake_cuda_class(), tensor)
+
+
+@functools.cache
+def _fake_cuda_class() -> type:
+    import torch
+
+    class FakeCudaTensor(torch.Tensor):
+        """A CPU tensor that reports a CUDA device."""
+
+        @property
+        def device(self) -> Any:  # type: ignore[override]
+            return torch.device("cuda", 0)
+
+    return FakeCudaTensor

@@ -1,7 +1,7 @@
 """CUDA tensors without a GPU: the type header carries the device, the staging fallback
 through host memory is counted, and fetch's device rule is checked before anything moves.
 
-A "CUDA" tensor here is a CPU tensor whose ``device`` says cuda (:class:`FakeCudaTensor`), so
+A "CUDA" tensor here is a CPU tensor whose ``device`` says cuda (``ray_velo.testing.device.fake_cuda``), so
 the payload layer takes the CUDA branch; the copies to and from the device are spied on.
 tests/gpu runs the same paths with real device memory.
 """
@@ -23,19 +23,9 @@ from ray_velo.testing import AgentPair
 
 torch = pytest.importorskip("torch")
 
+from ray_velo.testing.device import fake_cuda  # noqa: E402 (after the importorskip)
+
 MiB = 1 << 20
-
-
-class FakeCudaTensor(torch.Tensor):  # type: ignore[misc, name-defined]
-    """A CPU tensor that reports a CUDA device (what the payload layer branches on)."""
-
-    @property
-    def device(self) -> Any:  # type: ignore[override]
-        return torch.device("cuda", 0)
-
-
-def fake_cuda(tensor: Any) -> Any:
-    return torch.Tensor._make_subclass(FakeCudaTensor, tensor)
 
 
 @pytest.fixture()

@@ -14,18 +14,7 @@ torch = pytest.importorskip("torch")
 
 from ray_velo import payload, rdt  # noqa: E402 (after the importorskip)
 from ray_velo.protocol import DataHandle  # noqa: E402
-
-
-class FakeCudaTensor(torch.Tensor):  # type: ignore[misc, name-defined]
-    """A CPU tensor that reports a CUDA device (what the transport branches on)."""
-
-    @property
-    def device(self) -> Any:  # type: ignore[override]
-        return torch.device("cuda", 0)
-
-
-def fake_cuda(tensor: Any) -> Any:
-    return torch.Tensor._make_subclass(FakeCudaTensor, tensor)
+from ray_velo.testing.device import fake_cuda  # noqa: E402 (after the importorskip)
 
 
 @pytest.fixture()
