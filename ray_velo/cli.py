@@ -327,6 +327,14 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         action="store_true",
         help="each call on a transfer's path: over Ray vs over the agents' socket and TCP wire",
     )
+    _add_two_host_options(bench)
+    bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
+    bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
+    bench.set_defaults(run=_bench)
+
+
+def _add_two_host_options(bench: argparse.ArgumentParser) -> None:
+    """``ray-velo bench --two-host`` and the options that go with it."""
     bench.add_argument(
         "--two-host",
         action="store_true",
@@ -349,9 +357,6 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="with --two-host: Ray, ray_velo and the chunked path only (no pipelines, no "
         "mid-size latency table): for payloads of GiBs",
     )
-    bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
-    bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
-    bench.set_defaults(run=_bench)
 
 
 def _add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

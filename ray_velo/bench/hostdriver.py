@@ -128,18 +128,7 @@ def measure(
     for actor in (producer, consumer):
         ray.kill(actor)
 
-    _say("  the chunked path: agents restarted with VELO_RDMA_RENDEZVOUS_DISABLE=1")
-    _restart_agents(config, KILL_SWITCH)
-    producer, consumer = _pair(producer_cls, consumer_cls, info.hosts)
-    before = ray.get(consumer.path_counts.remote())
-    for size in sizes:
-        ray.get(producer.make.remote(size))
-        chunked = medians(
-            reps, lambda: transfer_round(producer, consumer, ray_store=False), lambda _: None
-        )
-        rows[size]["chunked"] = chunked["velo"]
-        ray.get(producer.drop.remote())
-    paths["chunked"] = _moved(before, ray.get(consumer.path_counts.remote()))
+    paths["chunked"] = _measure_chunked(config, (producer_cls, consumer_cls), info, rows, reps)
     rv.shutdown()
     return {
         "rows": {str(size): row for size, row in rows.items()},
@@ -147,6 +136,29 @@ def measure(
         "paths": paths,
         "transports": transports,
     }
+
+
+def _measure_chunked(
+    config: Any, classes: tuple[Any, Any], info: Any, rows: dict[int, dict[str, Any]], reps: int
+) -> dict[str, int]:
+    """The chunked column of every row (agents restarted with the kill switch); the path
+    decisions it counted."""
+    import ray
+
+    from ray_velo.bench.actors import medians, transfer_round
+
+    _say("  the chunked path: agents restarted with VELO_RDMA_RENDEZVOUS_DISABLE=1")
+    _restart_agents(config, KILL_SWITCH)
+    producer, consumer = _pair(*classes, info.hosts)
+    before = ray.get(consumer.path_counts.remote())
+    for size, row in rows.items():
+        ray.get(producer.make.remote(size))
+        chunked = medians(
+            reps, lambda: transfer_round(producer, consumer, ray_store=False), lambda _: None
+        )
+        row["chunked"] = chunked["velo"]
+        ray.get(producer.drop.remote())
+    return _moved(before, ray.get(consumer.path_counts.remote()))
 
 
 def measure_transport(size: int, reps: int) -> dict[str, Any]:
