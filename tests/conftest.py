@@ -24,10 +24,43 @@ def velo_segments() -> set[str]:
         return set()
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (from /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # the command name (field 2) may hold spaces: the fields after its ")" count
+                parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parents
+
+
+def _ours_or_orphaned(segment: str, parents: dict[int, int]) -> bool:
+    """Whether a segment (``ray_velo-<pid>-...``) is this suite's leak: its process died
+    without removing it, or it is a process this suite started that is still running. A live
+    process outside the suite (a cluster someone runs beside it) is not the suite's."""
+    try:
+        pid = int(segment.split("-")[1])
+    except (IndexError, ValueError):
+        return True
+    if pid not in parents:
+        return True  # its process is gone and left it behind
+    while pid in parents and pid > 1:
+        if pid == os.getpid():
+            return True
+        pid = parents[pid]
+    return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_segment_outlives_the_session() -> Iterator[None]:
     """Every shared-memory segment ray_velo created is gone when the suite ends."""
     before = velo_segments()
     yield
-    leaked = velo_segments() - before
+    parents = _parents()
+    leaked = {name for name in velo_segments() - before if _ours_or_orphaned(name, parents)}
     assert not leaked, f"shared-memory segments left behind: {sorted(leaked)}"
