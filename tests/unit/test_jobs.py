@@ -9,7 +9,6 @@ grace keep the bytes until nothing may touch them, and a later fetch is told "it
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.staging.tree import TransferOptions
 from ray_velo.store import JOB_ENDED, TTL_EXPIRED, SlotStore
 from ray_velo.testing import AgentPair, FakeJobs
+from tests.unit.test_owner_state import Buf
 
 WORKER = 0xFACADE
 RAW = TypeHeader()
@@ -127,16 +127,6 @@ def test_a_detached_slot_lives_until_its_ttl_or_release() -> None:
 
 
 # --- the owner state ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Buf:
-    n: int
-    nbytes: int = 4096
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return ("arena", self.n)
 
 
 def committed(state: OwnerState, buf: Buf, job: str, fx: Effects, **kw: bool) -> DataHandle:
