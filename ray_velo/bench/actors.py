@@ -25,6 +25,7 @@ __all__ = [
     "medians",
     "pipeline_stages",
     "pipelines",
+    "rounds",
     "touch",
     "transfer_round",
     "transport_text",
@@ -277,15 +278,23 @@ def transfer_round(
     return out
 
 
-def medians(
+def rounds(
     reps: int, one: Callable[[], dict[str, float | None]], each: Callable[[int], object] = print
-) -> dict[str, float | None]:
-    """Medians of ``one()``'s columns over ``reps`` rounds after one uncounted warm-up;
-    ``each(rep)`` after every round (progress)."""
+) -> dict[str, list[float]]:
+    """``one()``'s columns over ``reps`` rounds after one uncounted warm-up, in round order;
+    ``each(rep)`` after every round (progress; rep 0 is the warm-up)."""
     samples: dict[str, list[float]] = {}
     for rep in range(reps + 1):
         for column, value in one().items():
             if rep and value is not None:
                 samples.setdefault(column, []).append(value)
         each(rep)
+    return samples
+
+
+def medians(
+    reps: int, one: Callable[[], dict[str, float | None]], each: Callable[[int], object] = print
+) -> dict[str, float | None]:
+    """Medians of :func:`rounds`."""
+    samples = rounds(reps, one, each)
     return {column: statistics.median(values) for column, values in samples.items()}

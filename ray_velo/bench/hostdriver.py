@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -34,14 +35,25 @@ from ray_velo.bench.actors import LATENCY_REPS
 
 MiB = 1 << 20
 RESULT_PREFIX = "RESULT "
+#: ``PROBE <size>``: the driver asks the parent to probe the link now, and waits for ``go``.
+PROBE_PREFIX = "PROBE "
 KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
 
-__all__ = ["RESULT_PREFIX", "main", "measure"]
+__all__ = ["PROBE_PREFIX", "RESULT_PREFIX", "main", "measure"]
 
 
 def _say(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
+
+
+def ask_for_probe(size: int) -> None:
+    """Have the bench's parent probe the link (raw socket, bare UCX GET) for ``size`` bytes
+    now, between two rounds, so each round's ratio to the link is measured side by side."""
+    sys.stdout.write(f"{PROBE_PREFIX}{size}\n")
+    sys.stdout.flush()
+    if sys.stdin.readline().strip() != "go":
+        raise RuntimeError("the bench's parent went away during a link probe")
 
 
 def _moved(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -81,15 +93,21 @@ def _restart_agents(config: Any, env: dict[str, str]) -> None:
 
 
 def measure(
-    sizes: Sequence[int], reps: int, config: Any = None, *, transfers_only: bool = False
+    sizes: Sequence[int],
+    reps: int,
+    config: Any = None,
+    *,
+    transfers_only: bool = False,
+    probe_rounds: bool = False,
 ) -> dict[str, Any]:
-    """Every column for every size (see the module docstring), medians in seconds;
-    ``transfers_only``: Ray, velo and the chunked path only (no pipelines, no mid-size
-    latency table: for payloads of GiBs)."""
+    """Every column for every size (see the module docstring), medians in seconds, and
+    each transfer round's seconds (``samples``); ``transfers_only``: Ray, velo and the
+    chunked path only (no pipelines, no mid-size latency table: for payloads of GiBs);
+    ``probe_rounds``: the parent probes the link after every counted transfer round."""
     import ray
 
     import ray_velo as rv
-    from ray_velo.bench.actors import bench_actors, measure_latency, medians, transfer_round
+    from ray_velo.bench.actors import bench_actors, measure_latency, medians, rounds, transfer_round
     from ray_velo.bench.actors import pipelines as bench_pipelines
     from ray_velo.config import VeloConfig
     from ray_velo.testbed import connect
@@ -100,12 +118,19 @@ def measure(
     producer_cls, consumer_cls = bench_actors()
     producer, consumer = _pair(producer_cls, consumer_cls, info.hosts)
     rows: dict[int, dict[str, float | None]] = {}
+    samples: dict[int, dict[str, list[float]]] = {}
     paths: dict[str, dict[str, int]] = {}
     before = ray.get(consumer.path_counts.remote())
     for size in sizes:
         _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
         ray.get(producer.make.remote(size))
-        rows[size] = medians(reps, lambda: transfer_round(producer, consumer), lambda _: None)
+
+        def after_round(rep: int, size: int = size) -> None:
+            if probe_rounds and rep:
+                ask_for_probe(size)
+
+        samples[size] = rounds(reps, lambda: transfer_round(producer, consumer), after_round)
+        rows[size] = {column: statistics.median(v) for column, v in samples[size].items()}
         if transfers_only:
             ray.get(producer.drop.remote())
             continue
@@ -132,6 +157,7 @@ def measure(
     rv.shutdown()
     return {
         "rows": {str(size): row for size, row in rows.items()},
+        "samples": {str(size): columns for size, columns in samples.items()},
         "latency": {str(size): row for size, row in latency.items()},
         "paths": paths,
         "transports": transports,
@@ -211,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--budget-mib", type=int, help="the agents' registered_bytes_budget")
     parser.add_argument("--transfers-only", action="store_true", help="no pipelines, no latency")
+    parser.add_argument(
+        "--probe-rounds", action="store_true", help="ask the parent to probe after each round"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.fan_out:
@@ -224,7 +253,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.budget_mib:
             pool = RdmaPoolConfig(registered_bytes_budget=args.budget_mib * MiB)
             config = config.replace(rdma=RdmaConfig(pool=pool))
-        result = measure(sizes, args.reps, config, transfers_only=args.transfers_only)
+        result = measure(
+            sizes,
+            args.reps,
+            config,
+            transfers_only=args.transfers_only,
+            probe_rounds=args.probe_rounds,
+        )
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     return 0
 

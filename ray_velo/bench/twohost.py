@@ -4,13 +4,16 @@ For each link rate asked for, one :class:`~ray_velo.testbed.Testbed` (two networ
 namespaces, a veth link shaped with ``tc tbf``, a Ray node started with ``ray start`` in each,
 UCX over TCP) is built, and in that one run:
 
-1. the link's ceilings are probed: a plain TCP socket (``raw_tcp``) and a bare UCX GET
-   (``raw_ucx``) from host a to host b, same UCX settings as the agents;
-2. the driver (:mod:`ray_velo.bench.hostdriver`) runs inside host a and measures Ray's object
+1. the driver (:mod:`ray_velo.bench.hostdriver`) runs inside host a and measures Ray's object
    store, ``rv.put``/``rv.fetch``, the ``@rv.transfer`` pipeline and the chunked path;
+2. after every counted transfer round the driver waits while this process probes the link's
+   ceilings: a plain TCP socket (``raw_tcp``) and a bare UCX GET (``raw_ucx``) from host a to
+   host b, same UCX settings as the agents. Each round's ``velo/raw`` is so measured side by
+   side (the link probe alone varies by a quarter between sittings on a 2-core machine);
 3. everything the testbed started is ended by pid and the namespaces are removed.
 
-Ratios are what to read: ``velo/ray`` and ``velo/raw`` (raw = the plain socket).
+Ratios are what to read: ``velo/ray`` and ``velo/raw`` (raw = the plain socket), with the
+range of the per-round ``velo/raw``.
 
 ``--transport`` and ``--fan-out K`` (:mod:`ray_velo.bench.fanout`) use the same testbed and
 driver; ``--fan-out`` may ask for more hosts (``--hosts N``: the readers go to b, c, ...).
@@ -19,14 +22,16 @@ driver; ``--fan-out`` may ask for more hosts (``--hosts N``: the readers go to b
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray_velo.bench.actors import LATENCY_REPS, format_latency, transport_text
-from ray_velo.bench.hostdriver import RESULT_PREFIX
+from ray_velo.bench.hostdriver import PROBE_PREFIX, RESULT_PREFIX
 from ray_velo.errors import TestbedError
 
 __all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]
@@ -45,6 +50,8 @@ class LinkResult:
     transports: dict[str, list[str]] = field(default_factory=dict)
     #: mid-size payloads: per size, median seconds of ray, velo, pipe_ray, pipe_velo
     latency: dict[int, dict[str, float | None]] = field(default_factory=dict)
+    #: per size, each column's seconds round by round (raw probes follow their round)
+    samples: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
     def gbps(self, size: int, column: str) -> float | None:
         seconds = self.rows.get(size, {}).get(column)
@@ -53,6 +60,11 @@ class LinkResult:
     def ratio(self, size: int, a: str, b: str) -> float | None:
         x, y = self.gbps(size, a), self.gbps(size, b)
         return x / y if x and y else None
+
+    def round_ratios(self, size: int, a: str, b: str) -> list[float]:
+        """``a``'s speed over ``b``'s, round by round (the rounds both were measured in)."""
+        columns = self.samples.get(size, {})
+        return [y / x for x, y in zip(columns.get(a, []), columns.get(b, []), strict=False)]
 
     def transport(self) -> str:
         return transport_text(self.transports)
@@ -69,27 +81,62 @@ class LinkResult:
                 for size, row in self.rows.items()
             },
             "paths": self.paths,
+            "samples_s": {str(size): columns for size, columns in self.samples.items()},
             "latency_s": {str(size): row for size, row in self.latency.items()},
         }
 
 
 def _drive(
-    testbed: Any, sizes: Sequence[int], reps: int, extra: Sequence[str] = ()
+    testbed: Any,
+    sizes: Sequence[int],
+    reps: int,
+    extra: Sequence[str] = (),
+    probe: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
+    """Run the driver on host a; its result. ``probe(size)`` runs whenever the driver asks
+    (``--probe-rounds``), while the driver waits."""
     argv = [sys.executable, "-m", "ray_velo.bench.hostdriver"]
     argv += ["--sizes", ",".join(map(str, sizes)), "--reps", str(reps), *extra]
-    driver = testbed.popen(argv, stdout=subprocess.PIPE, stderr=None)
+    if probe is not None:
+        argv.append("--probe-rounds")
+    driver = testbed.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+    timer = threading.Timer(DRIVER_TIMEOUT_S, driver.kill)  # the whole driver's bound
+    timer.start()
+    tail: list[str] = []
     try:
-        out, _ = driver.communicate(timeout=DRIVER_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        driver.kill()
-        raise TestbedError(step="bench driver", detail="timed out") from exc
-    for line in reversed(out.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])  # type: ignore[no-any-return]
+        assert driver.stdout is not None and driver.stdin is not None
+        for line in driver.stdout:
+            if line.startswith(PROBE_PREFIX) and probe is not None:
+                probe(int(line[len(PROBE_PREFIX) :]))
+                driver.stdin.write("go\n")
+                driver.stdin.flush()
+            elif line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX) :])  # type: ignore[no-any-return]
+            else:
+                tail = [*tail[-20:], line]
+        driver.wait(60)
+    finally:
+        timer.cancel()
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(10)
     raise TestbedError(
-        step="bench driver", detail=f"exit {driver.returncode} without a result: {out[-800:]}"
+        step="bench driver",
+        detail=f"exit {driver.returncode} without a result: {''.join(tail)[-800:]}",
     )
+
+
+def _probe_into(testbed: Any, samples: dict[int, dict[str, list[float]]]) -> Callable[[int], None]:
+    """A probe for :func:`_drive`: one raw socket and one bare UCX GET of ``size`` bytes,
+    appended to ``samples[size]``."""
+    from ray_velo.testbed.probes import raw_tcp, raw_ucx_get
+
+    def probe(size: int) -> None:
+        columns = samples.setdefault(size, {})
+        columns.setdefault("raw_tcp", []).append(raw_tcp(testbed, size, 1))
+        columns.setdefault("raw_ucx", []).append(raw_ucx_get(testbed, size, 1))
+
+    return probe
 
 
 def run_two_host(
@@ -110,7 +157,6 @@ def run_two_host(
         TestbedError: a node or the driver failed.
     """
     from ray_velo.testbed import Testbed
-    from ray_velo.testbed.probes import raw_tcp, raw_ucx_get
 
     results = []
     for link in links:
@@ -119,15 +165,16 @@ def run_two_host(
         store = max(1 << 30, (2 if transfers_only else 4) * max(sizes))
         with Testbed(hosts=2, link=link, object_store_bytes=store) as testbed:
             result = LinkResult(link)
-            if with_raw:
-                for size in sizes:
-                    sys.stderr.write(f"  {size // MiB} MiB: raw TCP socket and bare UCX GET\n")
-                    result.rows.setdefault(size, {})["raw_tcp"] = raw_tcp(testbed, size, reps)
-                    result.rows[size]["raw_ucx"] = raw_ucx_get(testbed, size, reps)
             extra = ["--transfers-only"] if transfers_only else []
             if budget_mib:
                 extra += ["--budget-mib", str(budget_mib)]
-            measured = _drive(testbed, sizes, reps, extra)
+            probe = _probe_into(testbed, result.samples) if with_raw else None
+            measured = _drive(testbed, sizes, reps, extra, probe)
+        for size, columns in result.samples.items():  # the raw probes' medians
+            row = result.rows.setdefault(size, {})
+            row.update({column: statistics.median(v) for column, v in columns.items()})
+        for size_text, columns in measured.get("samples", {}).items():
+            result.samples.setdefault(int(size_text), {}).update(columns)
         for size_text, row in measured["rows"].items():
             result.rows.setdefault(int(size_text), {}).update(row)
         result.paths = measured["paths"]
@@ -192,6 +239,20 @@ _RATIOS = (
 )
 
 
+def _round_lines(result: LinkResult, size: int) -> list[str]:
+    """Each round's velo/raw, side by side (the probe ran right after the round)."""
+    lines = []
+    for raw in ("raw_tcp", "raw_ucx"):
+        ratios = result.round_ratios(size, "velo", raw)
+        if ratios:
+            each = ", ".join(f"{r:.2f}" for r in ratios)
+            lines.append(
+                f"{'':>7} {size // MiB} MiB velo/{raw.replace('_', ' ')} round by round: {each} "
+                f"(median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
+            )
+    return lines
+
+
 def format_two_host(results: Sequence[LinkResult]) -> str:
     """The results as text: GB/s per column, then the ratios, one block per link."""
     head = f"{'link':>7} {'size':>8} " + " ".join(f"{label:>9}" for _, label in _COLUMNS)
@@ -215,6 +276,7 @@ def format_two_host(results: Sequence[LinkResult]) -> str:
                     f"{'':>7} {size // MiB} MiB velo breakdown: put {put * 1e3:.1f} ms, UCX GET "
                     f"{leg * 1e3:.1f} ms, control calls + read {(velo - put - leg) * 1e3:.1f} ms"
                 )
+            lines.extend(_round_lines(result, size))
         lines.append(
             f"{'':>7} UCX transport that moved velo's bytes: {result.transport()}; "
             f"consumer path decisions {result.paths}"

@@ -8,6 +8,11 @@ probe measures the link and nothing else. Run as ``python -m ray_velo.testbed.pr
   which times from its "go" byte to the last byte received.
 * ``raw_ucx_get``: host ``dst`` GETs ``nbytes`` from a registered ``/dev/shm`` segment on
   ``src`` into its own (what the agents do), with the same UCX settings they get.
+
+Both move ``nbytes`` through buffers of at most :data:`BUFFER_MAX` bytes (the UCX probe: one
+GET per GiB, back to back), so a probe of a 3 GiB payload can run between two bench rounds
+beside a cluster that holds the payload several times over; a round trip per GiB costs the
+link nothing it would not cost a real transfer.
 """
 
 from __future__ import annotations
@@ -29,12 +34,18 @@ __all__ = ["raw_tcp", "raw_ucx_get"]
 
 _PORT: Final = 7470
 _SHM: Final = "/dev/shm"
+BUFFER_MAX: Final = 1 << 30
 
 
-def _read_json(stream: Any, who: str) -> dict[str, Any]:
-    line = stream.readline()
+def _read_json(process: Any, who: str) -> dict[str, Any]:
+    line = process.stdout.readline()
     if not line:
-        raise TestbedError(step=f"probe {who}", detail="exited without an answer")
+        process.wait(30)
+        err = process.stderr.read() if process.stderr else ""
+        raise TestbedError(
+            step=f"probe {who}",
+            detail=f"exited ({process.returncode}) without an answer: {err[-800:]}",
+        )
     return json.loads(line)  # type: ignore[no-any-return]
 
 
@@ -57,13 +68,13 @@ def raw_tcp(testbed: Any, nbytes: int, reps: int = 5, *, src: int = 0, dst: int 
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     receiver = testbed.popen([*module, "tcp-receive", str(nbytes), str(reps)], host=dst, **pipes)
     try:
-        _read_json(receiver.stdout, "tcp-receive")  # listening
+        _read_json(receiver, "tcp-receive")  # listening
         sender = testbed.popen(
             [*module, "tcp-send", testbed.hosts[dst].address, str(nbytes), str(reps)],
             host=src,
             **pipes,
         )
-        result = _read_json(receiver.stdout, "tcp-receive")
+        result = _read_json(receiver, "tcp-receive")
         _finish(sender, "tcp-send")
     finally:
         _finish(receiver, "tcp-receive")
@@ -90,13 +101,13 @@ def raw_ucx_get(
     opts = json.dumps(dict(options or {}))
     owner = testbed.popen([*module, "ucx-owner", str(nbytes), opts], host=src, **pipes)
     try:
-        offer = _read_json(owner.stdout, "ucx-owner")
+        offer = _read_json(owner, "ucx-owner")
         consumer = testbed.popen(
             [*module, "ucx-consumer", str(nbytes), str(reps), opts], host=dst, **pipes
         )
         consumer.stdin.write(json.dumps(offer) + "\n")
         consumer.stdin.flush()
-        result = _read_json(consumer.stdout, "ucx-consumer")
+        result = _read_json(consumer, "ucx-consumer")
         _finish(consumer, "ucx-consumer")
     finally:
         if owner.stdin:
@@ -120,8 +131,7 @@ def _tcp_receive(nbytes: int, reps: int) -> None:
     server = socket.create_server(("0.0.0.0", _PORT))
     _say({"listening": _PORT})
     conn, _ = server.accept()
-    buffer = bytearray(nbytes)
-    view = memoryview(buffer)
+    view = memoryview(bytearray(min(nbytes, BUFFER_MAX)))
     times = []
     with conn:
         for _ in range(reps + 1):  # the first moves the window up; not counted
@@ -129,7 +139,8 @@ def _tcp_receive(nbytes: int, reps: int) -> None:
             conn.sendall(b"g")
             got = 0
             while got < nbytes:
-                n = conn.recv_into(view[got:])
+                at = got % len(view)
+                n = conn.recv_into(view[at : at + min(len(view) - at, nbytes - got)])
                 if n == 0:
                     raise ConnectionError("sender closed early")
                 got += n
@@ -139,7 +150,7 @@ def _tcp_receive(nbytes: int, reps: int) -> None:
 
 
 def _tcp_send(address: str, nbytes: int, reps: int) -> None:
-    payload = memoryview(bytes(nbytes))
+    payload = memoryview(bytes(min(nbytes, BUFFER_MAX)))
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -153,7 +164,8 @@ def _tcp_send(address: str, nbytes: int, reps: int) -> None:
         for _ in range(reps + 1):
             if conn.recv(1) != b"g":
                 raise ConnectionError("receiver went away")
-            conn.sendall(payload)
+            for at in range(0, nbytes, len(payload)):
+                conn.sendall(payload[: min(len(payload), nbytes - at)])
 
 
 def _ucx_owner(nbytes: int, options: dict[str, str]) -> None:
@@ -162,9 +174,10 @@ def _ucx_owner(nbytes: int, options: dict[str, str]) -> None:
 
     context = UcxContext(options)
     worker = UcxWorker(context, progress_thread=True, blocking=True)
-    arena = ShmArena(_SHM, nbytes, 0xBE7C, prefault=True)
-    np.frombuffer(arena.view(0, nbytes), dtype=np.uint8)[:] = 7
-    registration = MemoryRegistration.from_address(context, arena.address, nbytes, keepalive=None)
+    held = min(nbytes, BUFFER_MAX)
+    arena = ShmArena(_SHM, held, 0xBE7C, prefault=True)
+    np.frombuffer(arena.view(0, held), dtype=np.uint8)[:] = 7
+    registration = MemoryRegistration.from_address(context, arena.address, held, keepalive=None)
     _say(
         {
             "worker": worker.address.hex(),
@@ -193,16 +206,19 @@ def _ucx_consumer(nbytes: int, reps: int, options: dict[str, str]) -> None:
     offer = json.loads(sys.stdin.readline())
     context = UcxContext(options)
     worker = UcxWorker(context, progress_thread=True, blocking=True)
-    arena = ShmArena(_SHM, nbytes, 0xBE7D, prefault=True)
-    local = MemoryRegistration.from_address(context, arena.address, nbytes, keepalive=None)
+    held = min(nbytes, BUFFER_MAX)
+    arena = ShmArena(_SHM, held, 0xBE7D, prefault=True)
+    local = MemoryRegistration.from_address(context, arena.address, held, keepalive=None)
     endpoint = Endpoint(worker, bytes.fromhex(offer["worker"]))
     rkey = RemoteKey(endpoint, bytes.fromhex(offer["rkey"]))
     times = []
     for _ in range(reps + 1):  # the first wires up and warms; not counted
         started = time.perf_counter()
-        get(endpoint, arena.address, nbytes, offer["addr"], rkey, 120.0, local_memh=local)
+        for at in range(0, nbytes, held):  # one GET per buffer, back to back
+            piece = min(held, nbytes - at)
+            get(endpoint, arena.address, piece, offer["addr"], rkey, 120.0, local_memh=local)
         times.append(time.perf_counter() - started)
-    ok = bool(np.frombuffer(arena.view(0, nbytes), dtype=np.uint8)[:: 1 << 12].min() == 7)
+    ok = bool(np.frombuffer(arena.view(0, held), dtype=np.uint8)[:: 1 << 12].min() == 7)
     rkey.close()
     endpoint.close()
     local.close()

@@ -173,7 +173,7 @@ void rv_cell_store(int *cell, int value);
 ucs_status_ptr_t rv_get_submit(ucp_ep_h ep, void *buffer, size_t length, uint64_t remote_addr,
                                ucp_rkey_h rkey, ucp_mem_h local_memh);
 ucs_status_ptr_t rv_ep_close_submit(ucp_ep_h ep, int force);
-ucs_status_t rv_request_wait(ucp_worker_h worker, ucs_status_ptr_t request, int progress,
+ucs_status_t rv_request_wait(ucp_worker_h worker, ucs_status_ptr_t request, double progress_s,
                              double timeout_s);
 ucs_status_t rv_progress_loop(ucp_worker_h worker, int *stop, int blocking,
                               int idle_wakeup_ms, uint64_t *wakeups);
@@ -239,20 +239,31 @@ static double rv_now_s(void)
 
 #define RV_IDLE_YIELDS 4096      /* idle rounds that yield before the waiter naps */
 #define RV_IDLE_NAP_NS 50000     /* 50 us */
+#define RV_HANDOFF_NAP_MIN_NS 10000     /* 10 us */
+#define RV_HANDOFF_NAP_MAX_NS 1000000   /* 1 ms */
 
 /* Complete a request returned by a *_nbx call. Called with the GIL released (cffi API mode).
- * progress != 0: this thread drives ucp_worker_progress itself (safe beside the progress
- *   thread in MULTI mode, and needed: a cma GET is copied inside the consumer's progress).
+ * progress_s: for that many seconds from the start (< 0: the whole wait) this thread drives
+ *   ucp_worker_progress itself (safe beside the progress thread in MULTI mode, and needed: a
+ *   cma GET is copied inside the consumer's progress); after that it only checks the request,
+ *   napping 1/64 of the time waited so far (10 us to 1 ms), and leaves progress to the
+ *   worker's progress thread. Two threads progressing one worker contend for its lock: over
+ *   tcp the pair kept both cores of a 2-core machine busy to receive at the link's speed
+ *   (docs/tuning.md, "Who progresses a long GET"). Only for a worker with a progress thread.
  * timeout_s < 0: no limit. Returns the request's final status and frees it; on timeout
  *   returns UCS_ERR_TIMED_OUT and leaves the request alive: an RMA request cannot be
  *   cancelled, only completed by force-closing its endpoint (research/ucx.md §8). */
 static ucs_status_t rv_request_wait(ucp_worker_h worker, ucs_status_ptr_t request,
-                                    int progress, double timeout_s)
+                                    double progress_s, double timeout_s)
 {
-    double deadline = (timeout_s >= 0) ? rv_now_s() + timeout_s : -1.0;
+    double started = rv_now_s();
+    double deadline = (timeout_s >= 0) ? started + timeout_s : -1.0;
+    double handoff = (progress_s >= 0) ? started + progress_s : -1.0;
     struct timespec nap = {0, RV_IDLE_NAP_NS};
     unsigned idle = 0;
     ucs_status_t status;
+    double now;
+    long nap_ns;
 
     if (request == NULL) {
         return UCS_OK;
@@ -266,12 +277,22 @@ static ucs_status_t rv_request_wait(ucp_worker_h worker, ucs_status_ptr_t reques
             ucp_request_free(request);
             return status;
         }
-        if (progress && ucp_worker_progress(worker) != 0) {
-            idle = 0;
+        now = ((handoff >= 0) || (deadline >= 0)) ? rv_now_s() : 0.0;
+        if ((deadline >= 0) && (now >= deadline)) {
+            return UCS_ERR_TIMED_OUT;
+        }
+        if ((handoff >= 0) && (now >= handoff)) {
+            /* the progress thread completes it: check back after a nap */
+            nap_ns = (long)((now - started) * 1e9 / 64);
+            nap_ns = nap_ns < RV_HANDOFF_NAP_MIN_NS ? RV_HANDOFF_NAP_MIN_NS : nap_ns;
+            nap_ns = nap_ns > RV_HANDOFF_NAP_MAX_NS ? RV_HANDOFF_NAP_MAX_NS : nap_ns;
+            struct timespec handed = {0, nap_ns};
+            nanosleep(&handed, NULL);
             continue;
         }
-        if ((deadline >= 0) && (rv_now_s() >= deadline)) {
-            return UCS_ERR_TIMED_OUT;
+        if (ucp_worker_progress(worker) != 0) {
+            idle = 0;
+            continue;
         }
         if (++idle < RV_IDLE_YIELDS) {
             sched_yield();  /* 2 cores: let the lock holder / the peer run */

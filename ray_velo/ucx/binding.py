@@ -79,6 +79,13 @@ DEFAULT_CLOSE_TIMEOUT_S: Final = 5.0
 ABORT_GRACE_S: Final = 5.0
 """How long a force-closed endpoint's requests get to complete with ``UCS_ERR_CANCELED``."""
 
+SELF_PROGRESS_S: Final = 0.002
+"""How long a GET's own thread progresses its worker before it leaves the rest to the
+worker's progress thread and only checks back (``rv_request_wait``). A GET this short keeps
+its latency; a longer one stops two threads contending for the worker's lock: on the
+two-host testbed a 3 GiB GET over tcp then needed 1.3-1.7 s of the consumer's CPU instead of
+3.2-3.9 s, and ran at 1.10-1.50 GB/s instead of 0.94-1.13 (docs/tuning.md)."""
+
 MAX_WORKER_ADDRESS_BYTES: Final = 1 << 16
 """A worker address is 81-217 bytes on tcp/cma; refuse absurd ones before UCX parses them."""
 
@@ -596,7 +603,7 @@ class Endpoint(_Node):
         # the full timeout per endpoint at shutdown.
         lib = self._b.lib
         request = lib.rv_ep_close_submit(self._handle, 1)
-        status = int(lib.rv_request_wait(self.worker._handle, request, 1, ABORT_GRACE_S))
+        status = int(lib.rv_request_wait(self.worker._handle, request, -1.0, ABORT_GRACE_S))
         if status == UcsStatus.ERR_TIMED_OUT:
             _leak((self._error_cell, request), "an endpoint close did not complete")
             raise UcxError(
@@ -943,11 +950,14 @@ def get(
     timeout_s: float,
     *,
     local_memh: MemoryRegistration | None = None,
+    self_progress_s: float = SELF_PROGRESS_S,
 ) -> None:
     """One-sided GET of ``nbytes`` from the peer's ``remote_addr`` into ``local_addr``.
 
     Posts ``ucp_get_nbx``, signals the worker (its progress thread may be asleep), then waits in
-    C without the GIL, progressing the worker. Safe from any thread; GETs may run concurrently.
+    C without the GIL, progressing the worker for ``self_progress_s`` (< 0: throughout) and
+    then leaving it to the worker's progress thread (a worker without one is progressed here
+    throughout). Safe from any thread; GETs may run concurrently.
 
     Args:
         ep: endpoint to the owner.
@@ -978,7 +988,9 @@ def get(
             local_memh._inflight += 1
         memh_handle = local_memh._handle
     try:
-        _get_counted_in_flight(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle)
+        _get_counted_in_flight(
+            ep, local_addr, nbytes, remote_addr, rkey, (timeout_s, self_progress_s), memh_handle
+        )
     finally:
         if local_memh is not None:
             with local_memh._cond:
@@ -992,10 +1004,11 @@ def _get_counted_in_flight(
     nbytes: int,
     remote_addr: int,
     rkey: RemoteKey,
-    timeout_s: float,
+    waits: tuple[float, float],
     memh_handle: Any,
 ) -> None:
-    """The GET, counted in flight on ``ep`` and ``rkey`` so that neither closes under it."""
+    """The GET, counted in flight on ``ep`` and ``rkey`` so that neither closes under it;
+    ``waits``: (timeout_s, self_progress_s)."""
     operation = "ucp_get_nbx"
     with ep._cond:
         ep._check_usable(operation)
@@ -1004,7 +1017,7 @@ def _get_counted_in_flight(
         ep._inflight += 1
         rkey._inflight += 1
     try:
-        _post_and_wait(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle)
+        _post_and_wait(ep, local_addr, nbytes, remote_addr, rkey, waits, memh_handle)
     finally:
         with ep._cond:
             ep._inflight -= 1
@@ -1041,10 +1054,11 @@ def _post_and_wait(
     nbytes: int,
     remote_addr: int,
     rkey: RemoteKey,
-    timeout_s: float,
+    waits: tuple[float, float],
     memh_handle: Any,
 ) -> None:
     ffi, lib = ep._b
+    timeout_s, self_progress_s = waits
     worker = ep.worker._handle
     request = lib.rv_get_submit(
         ep._handle, ffi.cast("void *", local_addr), nbytes, remote_addr, rkey._handle, memh_handle
@@ -1055,10 +1069,11 @@ def _post_and_wait(
         return  # completed in place
     # A blocking progress thread may be asleep in poll(): wake it (research/ucx.md §7).
     lib.ucp_worker_signal(worker)
-    status = int(lib.rv_request_wait(worker, request, 1, float(timeout_s)))
+    progress_s = self_progress_s if ep.worker.progress_thread_alive else -1.0
+    status = int(lib.rv_request_wait(worker, request, progress_s, float(timeout_s)))
     if status == UcsStatus.ERR_TIMED_OUT:
         ep._abort(status, f"GET of {nbytes} bytes did not finish within {timeout_s} s")
-        after = int(lib.rv_request_wait(worker, request, 1, ABORT_GRACE_S))
+        after = int(lib.rv_request_wait(worker, request, -1.0, ABORT_GRACE_S))
         completed = after != UcsStatus.ERR_TIMED_OUT
         if not completed:
             lib.ucp_request_free(request)  # released by UCX when it completes

@@ -134,6 +134,25 @@ def test_consumer_gets_owner_buffer(
         )
 
 
+@pytest.mark.parametrize("tls", ["cma,tcp", "tcp"])
+def test_a_get_completes_whoever_progresses_its_worker(tls: str) -> None:
+    """A GET's thread progresses its worker for SELF_PROGRESS_S, then only checks back while
+    the worker's progress thread completes it (two threads contending for the worker cost a
+    core): 64 MiB arrives whole when the thread hands off at once, after the default, or
+    never, and on a worker without a progress thread (progressed by the GET's thread
+    throughout, whatever it was told)."""
+    result, owner_rc, consumer_rc = run_pair(
+        {"UCX_TLS": tls}, "devshm", 64 * MiB, "handoff", "numpy"
+    )
+    _no_exception(result)
+    assert result["progress_thread"]
+    assert result["crc_ok"] == {
+        "at_once": True, "default": True, "never": True, "no_progress_thread": True
+    }  # fmt: skip
+    assert result["owner_reply"] == "bye"
+    assert (owner_rc, consumer_rc) == (0, 0)
+
+
 def test_stale_key_after_owner_freed_memory_cma() -> None:
     """The owner unmaps a region and munmaps its pages while a consumer still holds the key
     (what a lease bug would do). Over cma, with PEER error mode + RNDV_THRESH=inf + the C error

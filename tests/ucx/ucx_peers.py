@@ -172,6 +172,38 @@ def consumer_get(owner: Connection, dest_kind: str) -> dict[str, Any]:
     return result
 
 
+def consumer_handoff(owner: Connection, dest_kind: str) -> dict[str, Any]:
+    """Consumer: GET the whole buffer once per wait policy (hand the worker to its progress
+    thread at once, after ``SELF_PROGRESS_S``, never) and once on a worker without a progress
+    thread told to hand off at once (so it must progress throughout itself); crc per GET."""
+    from ray_velo.ucx import Endpoint, MemoryRegistration, RemoteKey, UcxWorker, get
+    from ray_velo.ucx.binding import SELF_PROGRESS_S
+
+    info = owner.recv()
+    nbytes = info["nbytes"]
+    ctx, worker, ep, rkey = _consumer_objects(info)
+    dest = _Buffer(dest_kind, nbytes)
+    dreg = MemoryRegistration(ctx, dest.obj)
+    crc_ok: dict[str, bool] = {}
+    for name, self_progress_s in (("at_once", 0.0), ("default", SELF_PROGRESS_S), ("never", -1.0)):
+        dest.view[:] = 0
+        get(ep, dest.address, nbytes, info["addr"], rkey, 20.0, local_memh=dreg,
+            self_progress_s=self_progress_s)  # fmt: skip
+        crc_ok[name] = zlib.crc32(dest.view) == info["crc"]
+    threadless = UcxWorker(ctx, progress_thread=False)
+    ep2 = Endpoint(threadless, info["address"])
+    rkey2 = RemoteKey(ep2, info["rkey"])
+    dest.view[:] = 0
+    get(ep2, dest.address, nbytes, info["addr"], rkey2, 20.0, local_memh=dreg, self_progress_s=0.0)
+    crc_ok["no_progress_thread"] = zlib.crc32(dest.view) == info["crc"]
+    result = {"crc_ok": crc_ok, "progress_thread": worker.progress_thread_alive}
+    ctx.close()
+    dest.free()
+    owner.send("stop")
+    result["owner_reply"] = owner.recv() if owner.poll(10) else None
+    return result
+
+
 def consumer_stale(owner: Connection, how: str) -> dict[str, Any]:
     """Consumer: GET once, have the owner unmap (and maybe free), GET again."""
     import numpy as np
@@ -252,6 +284,7 @@ def run_consumer(
     os.environ.update(env)
     scenarios: dict[str, Callable[[Connection, Any], dict[str, Any]]] = {
         "get": consumer_get,
+        "handoff": consumer_handoff,
         "stale": consumer_stale,
         "timeout": consumer_timeout,
     }
