@@ -254,20 +254,32 @@ def format_latency(rows: dict[int, dict[str, float | None]], reps: int) -> str:
 
 
 def transfer_round(
-    producer: Any, consumer: Any, *, ray_store: bool = True, plain: bool = False
+    producer: Any,
+    consumer: Any,
+    *,
+    ray_store: bool = True,
+    plain: bool = False,
+    velo_first: bool = False,
 ) -> dict[str, float | None]:
     """One round of the producer's array to the consumer, seconds per column: ``ray``
     (put + get + read through Ray's object store), ``velo`` (rv.put pinned + rv.fetch +
     read), its ``put`` and ``get_leg`` (the agent's UCX GET, None when none ran), and with
-    ``plain`` also ``velo_plain`` (staged in plain memory: the chunked path)."""
+    ``plain`` also ``velo_plain`` (staged in plain memory: the chunked path). ``velo_first``:
+    ray_velo's transfers before Ray's (alternate it between rounds: what one column leaves
+    to clean up, a GiB object freed in the background, then burdens each by turns)."""
     import ray
 
     out: dict[str, float | None] = {}
-    if ray_store:
-        refs, put_s = ray.get(producer.ray_put.remote())
-        get_s = ray.get(consumer.ray_get.remote(refs))
-        del refs
-        out["ray"] = put_s + get_s
+
+    def through_ray() -> None:
+        if ray_store:
+            refs, put_s = ray.get(producer.ray_put.remote())
+            get_s = ray.get(consumer.ray_get.remote(refs))
+            del refs
+            out["ray"] = put_s + get_s
+
+    if not velo_first:
+        through_ray()
     if plain:
         handle, put_s = ray.get(producer.velo_put.remote(False))
         fetch_s, _ = ray.get(consumer.velo_fetch.remote(handle))
@@ -275,6 +287,8 @@ def transfer_round(
     handle, put_s = ray.get(producer.velo_put.remote(True))
     fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
     out["velo"], out["put"], out["get_leg"] = put_s + fetch_s, put_s, leg_s
+    if velo_first:
+        through_ray()
     return out
 
 

@@ -24,6 +24,7 @@ Progress goes to stderr; the last stdout line is ``RESULT <json>``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -121,6 +122,7 @@ def measure(
     samples: dict[int, dict[str, list[float]]] = {}
     paths: dict[str, dict[str, int]] = {}
     before = ray.get(consumer.path_counts.remote())
+    turns = itertools.cycle([False, True])  # Ray first, then ray_velo first, by turns
     for size in sizes:
         _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
         ray.get(producer.make.remote(size))
@@ -129,7 +131,11 @@ def measure(
             if probe_rounds and rep:
                 ask_for_probe(size)
 
-        samples[size] = rounds(reps, lambda: transfer_round(producer, consumer), after_round)
+        samples[size] = rounds(
+            reps,
+            lambda: transfer_round(producer, consumer, velo_first=next(turns)),
+            after_round,
+        )
         rows[size] = {column: statistics.median(v) for column, v in samples[size].items()}
         if transfers_only:
             ray.get(producer.drop.remote())
