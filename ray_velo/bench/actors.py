@@ -20,16 +20,36 @@ __all__ = [
     "LATENCY_REPS",
     "LATENCY_SIZES",
     "bench_actors",
+    "cpu_ticks",
     "format_latency",
     "measure_latency",
     "medians",
     "pipeline_stages",
     "pipelines",
     "rounds",
+    "stolen_since",
     "touch",
     "transfer_round",
     "transport_text",
 ]
+
+
+def cpu_ticks(stat_path: str = "/proc/stat") -> tuple[int, int]:
+    """(ticks stolen by the hypervisor, all ticks) of this machine so far (``/proc/stat``);
+    (0, 0) where there is none. A VM's vCPUs are descheduled in bursts, and a transfer that
+    loses a tenth of its CPU time that way runs slower for reasons outside it."""
+    try:
+        with open(stat_path) as stat:
+            fields = [int(f) for f in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def stolen_since(start: tuple[int, int]) -> float | None:
+    """The share of CPU time stolen since ``start`` (a :func:`cpu_ticks`), or None."""
+    steal, total = cpu_ticks()
+    return (steal - start[0]) / (total - start[1]) if total > start[1] else None
 
 
 def touch(array: Any) -> int:
@@ -263,7 +283,8 @@ def transfer_round(
 ) -> dict[str, float | None]:
     """One round of the producer's array to the consumer, seconds per column: ``ray``
     (put + get + read through Ray's object store), ``velo`` (rv.put pinned + rv.fetch +
-    read), its ``put`` and ``get_leg`` (the agent's UCX GET, None when none ran), and with
+    read), its ``put`` and ``get_leg`` (the agent's UCX GET, None when none ran), the share
+    of CPU time the hypervisor stole meanwhile (``velo_stolen``), and with
     ``plain`` also ``velo_plain`` (staged in plain memory: the chunked path). ``velo_first``:
     ray_velo's transfers before Ray's (alternate it between rounds: what one column leaves
     to clean up, a GiB object freed in the background, then burdens each by turns)."""
@@ -284,9 +305,11 @@ def transfer_round(
         handle, put_s = ray.get(producer.velo_put.remote(False))
         fetch_s, _ = ray.get(consumer.velo_fetch.remote(handle))
         out["velo_plain"] = put_s + fetch_s
+    start = cpu_ticks()
     handle, put_s = ray.get(producer.velo_put.remote(True))
     fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
     out["velo"], out["put"], out["get_leg"] = put_s + fetch_s, put_s, leg_s
+    out["velo_stolen"] = stolen_since(start)
     if velo_first:
         through_ray()
     return out

@@ -30,7 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_velo.bench.actors import LATENCY_REPS, format_latency, transport_text
+from ray_velo.bench.actors import (
+    LATENCY_REPS,
+    cpu_ticks,
+    format_latency,
+    stolen_since,
+    transport_text,
+)
 from ray_velo.bench.hostdriver import PROBE_PREFIX, RESULT_PREFIX
 from ray_velo.errors import TestbedError
 
@@ -133,8 +139,10 @@ def _probe_into(testbed: Any, samples: dict[int, dict[str, list[float]]]) -> Cal
 
     def probe(size: int) -> None:
         columns = samples.setdefault(size, {})
+        start = cpu_ticks()
         columns.setdefault("raw_tcp", []).append(raw_tcp(testbed, size, 1))
         columns.setdefault("raw_ucx", []).append(raw_ucx_get(testbed, size, 1))
+        columns.setdefault("raw_stolen", []).append(stolen_since(start) or 0.0)
 
     return probe
 
@@ -239,17 +247,39 @@ _RATIOS = (
 )
 
 
+#: A round whose transfer or probe lost more of the machine's CPU time than this to the
+#: hypervisor is "disturbed": its ratio is shown, and left out of the quiet-round median.
+QUIET_STOLEN = 0.03
+
+
 def _round_lines(result: LinkResult, size: int) -> list[str]:
-    """Each round's velo/raw, side by side (the probe ran right after the round)."""
+    """Each round's velo/raw, side by side (the probe ran right after the round), the CPU
+    time stolen from the machine meanwhile, and the median of the undisturbed rounds."""
     lines = []
+    columns = result.samples.get(size, {})
+    stolen = [
+        max(pair)
+        for pair in zip(columns.get("velo_stolen", []), columns.get("raw_stolen", []), strict=False)
+    ]
+    if stolen:
+        each = ", ".join(f"{s:.0%}" for s in stolen)
+        lines.append(
+            f"{'':>7} {size // MiB} MiB CPU stolen by the hypervisor, round by round: {each}"
+        )
     for raw in ("raw_tcp", "raw_ucx"):
         ratios = result.round_ratios(size, "velo", raw)
-        if ratios:
-            each = ", ".join(f"{r:.2f}" for r in ratios)
-            lines.append(
-                f"{'':>7} {size // MiB} MiB velo/{raw.replace('_', ' ')} round by round: {each} "
-                f"(median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f})"
-            )
+        if not ratios:
+            continue
+        each = ", ".join(f"{r:.2f}" for r in ratios)
+        text = (
+            f"{'':>7} {size // MiB} MiB velo/{raw.replace('_', ' ')} round by round: {each} "
+            f"(median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}"
+        )
+        quiet = [r for r, s in zip(ratios, stolen, strict=False) if s <= QUIET_STOLEN]
+        if stolen:
+            text += f"; {len(quiet)} rounds with <= {QUIET_STOLEN:.0%} stolen"
+            text += f": median {statistics.median(quiet):.2f}" if quiet else ""
+        lines.append(text + ")")
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from ray_velo.bench.actors import medians, rounds
 from ray_velo.bench.twohost import LinkResult, format_two_host
@@ -33,3 +34,29 @@ def test_each_round_is_compared_with_the_probe_that_followed_it() -> None:
     assert "velo/raw tcp round by round: 0.90, 1.00, 0.50 (median 0.90, range 0.50-1.00)" in text
     assert "velo/raw ucx" not in text  # no probe: no line
     assert result.as_dict()["samples_s"] == {str(3 * GiB): result.samples[3 * GiB]}
+
+
+def test_rounds_the_hypervisor_disturbed_are_named_and_left_out_of_the_quiet_median() -> None:
+    result = LinkResult("10gbit")
+    result.samples[GiB] = {
+        "velo": [1.0, 2.0, 1.0],
+        "raw_tcp": [0.9, 0.9, 1.0],
+        "velo_stolen": [0.01, 0.13, 0.0],
+        "raw_stolen": [0.0, 0.01, 0.05],  # the third round's probe was disturbed
+    }
+    result.rows[GiB] = {"velo": 1.0, "raw_tcp": 0.9}
+    text = format_two_host([result])
+    assert "CPU stolen by the hypervisor, round by round: 1%, 13%, 5%" in text
+    assert "velo/raw tcp round by round: 0.90, 0.45, 1.00" in text
+    assert "1 rounds with <= 3% stolen: median 0.90)" in text
+
+
+def test_cpu_ticks_count_steal_among_all_ticks(tmp_path: Path) -> None:
+    from ray_velo.bench.actors import cpu_ticks
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 20 30 400 5 0 6 7 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert cpu_ticks(str(stat)) == (7, 568)  # steal is the 8th; guest time is in user already
+    stat.write_text("cpu  1 2 3\n")  # an old kernel: no steal column
+    assert cpu_ticks(str(stat)) == (0, 6)
+    assert cpu_ticks(str(tmp_path / "missing")) == (0, 0)
