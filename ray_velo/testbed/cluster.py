@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import string
 import subprocess
@@ -27,7 +28,13 @@ from types import TracebackType
 from typing import Any, Final
 
 from ray_velo.errors import TestbedError
-from ray_velo.testbed.netns import IFACE, Network, parse_rate, remove_stale_networks
+from ray_velo.testbed.netns import (
+    IFACE,
+    Network,
+    parse_rate,
+    process_running,
+    remove_stale_networks,
+)
 
 __all__ = [
     "ENV_VAR",
@@ -36,6 +43,7 @@ __all__ = [
     "Testbed",
     "TestbedInfo",
     "connect",
+    "logged_worker_pids",
     "remove_segments_of",
 ]
 
@@ -169,7 +177,10 @@ class Testbed:
             return
         self._started = False
         ended = self.network.destroy()
-        remove_segments_of(ended)
+        # A worker that died before now (an agent Ray killed with its job, one the memory
+        # monitor killed) is no longer in a namespace to be listed: its Ray log names it.
+        gone = [p for p in logged_worker_pids(self.temp_dir) if not process_running(p)]
+        remove_segments_of([*ended, *gone])
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> Testbed:
@@ -319,6 +330,24 @@ def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:
                 step="connect", detail=f"nodes alive {sorted(alive)} after {timeout_s} s"
             )
         time.sleep(0.1)
+
+
+#: Ray's per-worker log files, named for the worker's pid (python-core-worker-<id>_<pid>.log,
+#: worker-<id>-<job>-<pid>.out/.err).
+_WORKER_LOG = re.compile(r"^(?:python-core-worker-[0-9a-f]+_|worker-[0-9a-f]+-[0-9a-f]+-)(\d+)\.")
+
+
+def logged_worker_pids(temp_dir: str) -> list[int]:
+    """The pids of every Ray worker that ran under ``temp_dir`` (from its log file names)."""
+    pids: set[int] = set()
+    for logs, _, names in os.walk(temp_dir):
+        if os.path.basename(logs) != "logs":
+            continue
+        for name in names:
+            match = _WORKER_LOG.match(name)
+            if match:
+                pids.add(int(match.group(1)))
+    return sorted(pids)
 
 
 def remove_segments_of(pids: Sequence[int], directory: str = "/dev/shm") -> list[str]:
