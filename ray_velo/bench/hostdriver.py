@@ -108,8 +108,7 @@ def measure(
     import ray
 
     import ray_velo as rv
-    from ray_velo.bench.actors import bench_actors, measure_latency, medians, rounds, transfer_round
-    from ray_velo.bench.actors import pipelines as bench_pipelines
+    from ray_velo.bench.actors import bench_actors, measure_latency
     from ray_velo.config import VeloConfig
     from ray_velo.testbed import connect
 
@@ -118,36 +117,12 @@ def measure(
     rv.init(config)
     producer_cls, consumer_cls = bench_actors()
     producer, consumer = _pair(producer_cls, consumer_cls, info.hosts)
-    rows: dict[int, dict[str, float | None]] = {}
-    samples: dict[int, dict[str, list[float]]] = {}
     paths: dict[str, dict[str, int]] = {}
     before = ray.get(consumer.path_counts.remote())
-    turns = itertools.cycle([False, True])  # Ray first, then ray_velo first, by turns
-    for size in sizes:
-        _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
-        ray.get(producer.make.remote(size))
-
-        def after_round(rep: int, size: int = size) -> None:
-            if probe_rounds and rep:
-                ask_for_probe(size)
-
-        samples[size] = rounds(
-            reps,
-            lambda: transfer_round(producer, consumer, velo_first=next(turns)),
-            after_round,
-        )
-        rows[size] = {column: statistics.median(v) for column, v in samples[size].items()}
-        if transfers_only:
-            ray.get(producer.drop.remote())
-            continue
-        _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
-        pipelines, producers = bench_pipelines(
-            size, {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
-        )
-        rows[size].update(medians(reps, pipelines, lambda _: None))
-        for actor in producers:
-            ray.kill(getattr(actor, "ray_handle", actor))
-        ray.get(producer.drop.remote())
+    rows, samples = _measure_sizes(
+        (producer, consumer), info, sizes, reps, transfers_only=transfers_only,
+        probe_rounds=probe_rounds,
+    )  # fmt: skip
     latency: dict[int, Any] = {}
     if not transfers_only:
         _say("  mid-size payloads: median time per transfer")
@@ -168,6 +143,51 @@ def measure(
         "paths": paths,
         "transports": transports,
     }
+
+
+def _measure_sizes(
+    actors: tuple[Any, Any],
+    info: Any,
+    sizes: Sequence[int],
+    reps: int,
+    *,
+    transfers_only: bool,
+    probe_rounds: bool,
+) -> tuple[dict[int, dict[str, float | None]], dict[int, dict[str, list[float]]]]:
+    """The transfer rounds (and pipelines) of every size: (medians, each round's samples)."""
+    import ray
+
+    from ray_velo.bench.actors import medians, rounds, transfer_round
+    from ray_velo.bench.actors import pipelines as bench_pipelines
+
+    producer, consumer = actors
+    rows: dict[int, dict[str, float | None]] = {}
+    samples: dict[int, dict[str, list[float]]] = {}
+    turns = itertools.cycle([False, True])  # Ray first, then ray_velo first, by turns
+    for size in sizes:
+        _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
+        ray.get(producer.make.remote(size))
+
+        def after_round(rep: int, size: int = size) -> None:
+            if probe_rounds and rep:
+                ask_for_probe(size)
+
+        samples[size] = rounds(
+            reps,
+            lambda: transfer_round(producer, consumer, velo_first=next(turns)),
+            after_round,
+        )
+        rows[size] = {column: statistics.median(v) for column, v in samples[size].items()}
+        if not transfers_only:
+            _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
+            pipelines, producers = bench_pipelines(
+                size, {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
+            )
+            rows[size].update(medians(reps, pipelines, lambda _: None))
+            for actor in producers:
+                ray.kill(getattr(actor, "ray_handle", actor))
+        ray.get(producer.drop.remote())
+    return rows, samples
 
 
 def _measure_chunked(
