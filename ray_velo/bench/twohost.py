@@ -82,7 +82,7 @@ class LinkResult:
             "rows": {
                 str(size): {
                     "seconds": row,
-                    "gbps": {c: self.gbps(size, c) for c in row},
+                    "gbps": {c: self.gbps(size, c) for c in row if not c.endswith("_stolen")},
                 }
                 for size, row in self.rows.items()
             },

@@ -989,7 +989,7 @@ def get(
         memh_handle = local_memh._handle
     try:
         _get_counted_in_flight(
-            ep, local_addr, nbytes, remote_addr, rkey, (timeout_s, self_progress_s), memh_handle
+            ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle, self_progress_s
         )
     finally:
         if local_memh is not None:
@@ -1004,11 +1004,11 @@ def _get_counted_in_flight(
     nbytes: int,
     remote_addr: int,
     rkey: RemoteKey,
-    waits: tuple[float, float],
+    timeout_s: float,
     memh_handle: Any,
+    self_progress_s: float,
 ) -> None:
-    """The GET, counted in flight on ``ep`` and ``rkey`` so that neither closes under it;
-    ``waits``: (timeout_s, self_progress_s)."""
+    """The GET, counted in flight on ``ep`` and ``rkey`` so that neither closes under it."""
     operation = "ucp_get_nbx"
     with ep._cond:
         ep._check_usable(operation)
@@ -1017,7 +1017,9 @@ def _get_counted_in_flight(
         ep._inflight += 1
         rkey._inflight += 1
     try:
-        _post_and_wait(ep, local_addr, nbytes, remote_addr, rkey, waits, memh_handle)
+        _post_and_wait(
+            ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle, self_progress_s
+        )
     finally:
         with ep._cond:
             ep._inflight -= 1
@@ -1054,11 +1056,11 @@ def _post_and_wait(
     nbytes: int,
     remote_addr: int,
     rkey: RemoteKey,
-    waits: tuple[float, float],
+    timeout_s: float,
     memh_handle: Any,
+    self_progress_s: float,
 ) -> None:
     ffi, lib = ep._b
-    timeout_s, self_progress_s = waits
     worker = ep.worker._handle
     request = lib.rv_get_submit(
         ep._handle, ffi.cast("void *", local_addr), nbytes, remote_addr, rkey._handle, memh_handle
