@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import time
-import weakref
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,7 @@ from ray_velo.actors.directory import (
 )
 from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import RegionDeregistered
-from ray_velo.local.records import LocalLease, Reservation
+from ray_velo.local.records import LocalLease
 from ray_velo.payload import check_fetch_device, from_bytes_view
 from ray_velo.protocol import (
     DataHandle,
@@ -51,14 +50,17 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.writable import PinnedWriter, SendBuffer, alloc_pinned_writer, empty
 
 __all__ = [
     "PinnedBuf",
     "PinnedWriter",
     "RegionGuard",
+    "SendBuffer",
     "alloc_pinned_writer",
     "alloc_region",
     "detach",
+    "empty",
     "fetch",
     "get",
     "get_into",
@@ -326,45 +328,6 @@ def get_pinned(handle: DataHandle, *, timeout: float | None = None) -> tuple[Pin
         own = session.current().call("local_acquire", handle, os.getpid(), "detach")
         array = session.leased_array(own)
     return PinnedBuf(array, local.type_header), lease_id
-
-
-class PinnedWriter:
-    """A writable buffer in this node's registered pool, from :func:`alloc_pinned_writer`.
-
-    :func:`get_into` lands fetched bytes in it with no further copy.
-    """
-
-    def __init__(self, reservation: Reservation, view: memoryview) -> None:
-        self._reservation = reservation
-        self.array = np.frombuffer(view, dtype=np.uint8)
-        self.nbytes = reservation.nbytes
-        self._finalizer = weakref.finalize(
-            self, session.current().notify, "stage_abort", reservation.reservation_id
-        )
-        self._finalizer.atexit = False
-
-    def memoryview(self) -> memoryview:
-        return self.array.data
-
-    @property
-    def reservation_id(self) -> int:
-        return self._reservation.reservation_id
-
-    def close(self) -> None:
-        """Give the buffer back to the pool; the writer holds nothing afterwards."""
-        self.array = np.empty(0, dtype=np.uint8)
-        self.nbytes = 0
-        self._finalizer()
-
-
-def alloc_pinned_writer(nbytes: int) -> PinnedWriter:
-    """A writable buffer of ``nbytes`` in this node's registered pool."""
-    if nbytes <= 0:
-        raise ValueError(f"nbytes must be > 0, got {nbytes}")
-    state = session.current()
-    reservation: Reservation = state.call("stage_reserve", nbytes, True, os.getpid())
-    view = session.segment_view(state, reservation.path, reservation.offset, nbytes)
-    return PinnedWriter(reservation, view)
 
 
 def get_into(handle: DataHandle, dest: Any, *, timeout: float | None = None) -> int:

@@ -375,25 +375,8 @@ class VeloTensorTransport(VeloNumpyTransport):
         except BaseException:
             writer.close()
             raise
-        owned = np.asarray(_WriterBytes(writer))
-        return torch.from_numpy(owned).view(dtype).reshape(shape)
-
-
-class _WriterBytes:
-    """Exports a PinnedWriter's memory, writable, to numpy; the arrays (and tensors) over it
-    keep this object, and so the writer, alive: the writer's memory goes back to the pool
-    only after the last of them is collected."""
-
-    __slots__ = ("__array_interface__", "__weakref__", "_writer")
-
-    def __init__(self, writer: Any) -> None:
-        self._writer = writer
-        self.__array_interface__ = {
-            "data": (writer.array.ctypes.data, False),
-            "shape": (writer.nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
+        # the writer's array leads to its memory's exporter: the tensor keeps the memory
+        return torch.from_numpy(writer.array).view(dtype).reshape(shape)
 
 
 def _fill_device_target(target: Any, host: Any) -> Any:

@@ -36,7 +36,7 @@ from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
-from ray_velo.protocol import DataHandle
+from ray_velo.protocol import DataHandle, TypeHeader
 
 __all__ = [
     "AGENT_SLACK_S",
@@ -277,21 +277,12 @@ def _stage(
     may_map: bool,
     staged_from: str | None = None,
 ) -> DataHandle | None:
-    if ttl is not None and not ttl > 0:
-        raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
-    detached = check_lifetime(lifetime)
-    job, in_detached_actor = staging_job()
+    job = staging_terms(ttl, lifetime)
     header, view = as_bytes_view(obj)
     if staged_from is not None:
         header = dataclasses.replace(header, device=staged_from)
     nbytes = view.nbytes
-
-    def reserve() -> tuple[Session, Reservation | None]:
-        # Nothing is staged yet: a dead agent's successor can take the reservation instead.
-        session = current()
-        return session, session.call("stage_reserve", nbytes, pinned, os.getpid(), may_map)
-
-    session, reservation = retrying_dead_agent(reserve)
+    session, reservation = reserve(nbytes, pinned, may_map)
     if reservation is None:
         return None
     try:
@@ -299,15 +290,64 @@ def _stage(
             dest = segment_view(session, reservation.path, reservation.offset, nbytes)
             copy_into(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(view, dtype=np.uint8))
             del dest
-        session.notify(
-            "stage_commit",
-            reservation.reservation_id, nbytes, header, ttl, consumers, follow_producer,
-            job, detached or in_detached_actor,
-        )  # fmt: skip
+        commit(session, reservation, header, ttl, consumers, follow_producer, job)
     except BaseException:
         session.notify("stage_abort", reservation.reservation_id)
         raise
     return reservation.handle
+
+
+@dataclass(frozen=True)
+class StagingJob:
+    """The Ray job staged data follows (hex; "" outside Ray), or ``detached`` from it."""
+
+    job: str
+    detached: bool
+
+
+def staging_terms(ttl: float | None, lifetime: str | None) -> StagingJob:
+    """Check a staging call's ``ttl`` and ``lifetime``; the job its data will follow.
+
+    Raises:
+        ConfigError: ``ttl`` is not None or > 0, or ``lifetime`` is not None or "detached".
+    """
+    if ttl is not None and not ttl > 0:
+        raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
+    detached = check_lifetime(lifetime)
+    job, in_detached_actor = staging_job()
+    return StagingJob(job, detached or in_detached_actor)
+
+
+def reserve(
+    nbytes: int, pinned: bool, may_map: bool = True
+) -> tuple[Session, Reservation | None]:
+    """Reserve ``nbytes`` on this node's agent for this process to write, on the node's
+    fresh agent if the one reached died (nothing is staged yet). None: ``may_map`` False
+    and no mapped arena fits."""
+
+    def attempt() -> tuple[Session, Reservation | None]:
+        session = current()
+        return session, session.call("stage_reserve", nbytes, pinned, os.getpid(), may_map)
+
+    return retrying_dead_agent(attempt)
+
+
+def commit(
+    session: Session,
+    reservation: Reservation,
+    header: TypeHeader,
+    ttl: float | None,
+    consumers: int,
+    follow_producer: bool,
+    job: StagingJob,
+) -> None:
+    """Turn a written reservation into a slot with ``consumers`` references; not waited for
+    (a call that names the handle before the commit lands waits for it on the agent)."""
+    session.notify(
+        "stage_commit",
+        reservation.reservation_id, reservation.nbytes, header, ttl, consumers, follow_producer,
+        job.job, job.detached,
+    )  # fmt: skip
 
 
 # --- reading -------------------------------------------------------------------------------

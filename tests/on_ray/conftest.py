@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -209,6 +209,18 @@ def wait_until_freed(handle: rv.DataHandle, timeout_s: float = 10.0) -> rv.Handl
             return exc
         assert time.monotonic() < deadline, f"{handle} still staged after {timeout_s} s"
         time.sleep(0.05)
+
+
+def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 30.0) -> float:
+    """Seconds until ``ready()``, polled every 50 ms; fails after ``timeout_s`` naming
+    ``what``."""
+    import time
+
+    started = time.monotonic()
+    while not ready():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - started
 
 
 def pid_alive(pid: int) -> bool:

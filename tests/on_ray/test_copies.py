@@ -9,9 +9,8 @@ reader provably starts while the first copy is still filling.
 
 from __future__ import annotations
 
-import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,13 @@ import ray_velo as rv
 from ray_velo.actors.directory import alive_node_ids, ensure_agent, register_all_peers
 from ray_velo.config import MiB
 from ray_velo.ops import cleanup_local
-from tests.on_ray.conftest import TEST_CONFIG, node_ids, pid_alive, wait_until_freed
+from tests.on_ray.conftest import (
+    TEST_CONFIG,
+    node_ids,
+    pid_alive,
+    wait_for,
+    wait_until_freed,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
 
@@ -49,13 +54,6 @@ def info(node_id: str) -> dict[str, Any]:
 
 def relayed(node_id: str) -> int:
     return int(info(node_id)["metrics"]["velo_relay_fetches_total"])
-
-
-def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture()

@@ -33,7 +33,7 @@ import ray
 import ray_velo as rv
 from ray_velo.actors.agent import LIVENESS_INTERVAL_S
 from ray_velo.actors.jobs import JOB_END_BOUND_S
-from tests.on_ray.conftest import agent_info, node_ids, wait_until_freed
+from tests.on_ray.conftest import agent_info, node_ids, wait_for, wait_until_freed
 from tests.on_ray.test_operator import ray_velo_cli
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode, pytest.mark.slow]
@@ -164,16 +164,6 @@ def followed(node: str) -> list[str]:
     return list(agent_info(node)["jobs_followed"])
 
 
-def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 60.0) -> float:
-    """Seconds until ``ready()``; fails after ``timeout_s`` (a bound for a clear message,
-    longer than the one the caller asserts)."""
-    started = time.monotonic()
-    while not ready():
-        assert time.monotonic() - started < timeout_s, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - started
-
-
 def assert_gone_because_its_job_ended(job: Job) -> None:
     for name, handle in job.handles.items():
         with pytest.raises(rv.HandleNotFound, match="its job ended"):
@@ -197,7 +187,7 @@ def test_a_job_that_exits_leaves_none_of_its_data_on_either_node(
     assert during["node_a"] >= before["node_a"] + 2, (before, during)
     assert job.id in followed("node_a")
     gone_at = job.end("exit")
-    wait_for("the job's data freed on both nodes", lambda: slots() == before)
+    wait_for("the job's data freed on both nodes", lambda: slots() == before, 60.0)
     took = time.monotonic() - gone_at
     print(f"job {job.id}: its data was gone from both nodes {took:.2f} s after its driver")
     assert took <= BOUND_S, f"{took:.1f} s > {BOUND_S} s"
@@ -266,7 +256,7 @@ def test_a_job_whose_driver_is_killed_leaves_none_of_its_data(
     job = jobs("--hold-on-b")
     assert slots()["node_b"] > before["node_b"], "node b holds no copy for the actor's view"
     gone_at = job.end("sigkill")
-    wait_for("the killed job's data freed on both nodes", lambda: slots() == before)
+    wait_for("the killed job's data freed on both nodes", lambda: slots() == before, 60.0)
     took = time.monotonic() - gone_at
     print(f"killed job {job.id}: its data was gone {took:.2f} s after its driver")
     assert took <= BOUND_S, f"{took:.1f} s > {BOUND_S} s"
