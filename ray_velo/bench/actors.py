@@ -94,6 +94,17 @@ def _producer_class() -> Any:
             handle = rv.put(self.array, pinned=pinned)
             return handle, time.perf_counter() - started
 
+        def velo_build(self) -> tuple[rv.DataHandle, float]:
+            """The array built in place (rv.empty, seal): seconds of the staging calls,
+            not of the fill, which stands for the producer computing its result there."""
+            started = time.perf_counter()
+            buf = rv.empty(self.array.shape, self.array.dtype)
+            reserved = time.perf_counter()
+            np.copyto(buf.array, self.array)
+            filled = time.perf_counter()
+            handle = buf.seal()
+            return handle, (reserved - started) + (time.perf_counter() - filled)
+
         def drop(self) -> None:
             del self.array
 
@@ -279,14 +290,17 @@ def transfer_round(
     *,
     ray_store: bool = True,
     plain: bool = False,
+    built: bool = False,
     velo_first: bool = False,
 ) -> dict[str, float | None]:
     """One round of the producer's array to the consumer, seconds per column: ``ray``
     (put + get + read through Ray's object store), ``velo`` (rv.put pinned + rv.fetch +
     read), its ``put`` and ``get_leg`` (the agent's UCX GET, None when none ran), the share
-    of CPU time the hypervisor stole meanwhile (``velo_stolen``), and with
-    ``plain`` also ``velo_plain`` (staged in plain memory: the chunked path). ``velo_first``:
-    ray_velo's transfers before Ray's (alternate it between rounds: what one column leaves
+    of CPU time the hypervisor stole meanwhile (``velo_stolen``); with ``plain`` also
+    ``velo_plain`` (staged in plain memory: the chunked path), with ``built`` also
+    ``velo_built``, ``seal`` and ``built_get_leg`` (the array built in place with rv.empty
+    and sealed: no staging copy). ``velo_first``: ray_velo's transfers before Ray's, and
+    the built one before the put one (alternate it between rounds: what one column leaves
     to clean up, a GiB object freed in the background, then burdens each by turns)."""
     import ray
 
@@ -299,16 +313,24 @@ def transfer_round(
             del refs
             out["ray"] = put_s + get_s
 
+    def through_velo(method: str, arg: tuple[Any, ...], total: str, staging: str, leg: str) -> None:
+        handle, stage_s = ray.get(getattr(producer, method).remote(*arg))
+        fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
+        out[total], out[staging], out[leg] = stage_s + fetch_s, stage_s, leg_s
+
     if not velo_first:
         through_ray()
     if plain:
-        handle, put_s = ray.get(producer.velo_put.remote(False))
-        fetch_s, _ = ray.get(consumer.velo_fetch.remote(handle))
-        out["velo_plain"] = put_s + fetch_s
+        through_velo("velo_put", (False,), "velo_plain", "put_plain", "plain_leg")
     start = cpu_ticks()
-    handle, put_s = ray.get(producer.velo_put.remote(True))
-    fetch_s, leg_s = ray.get(consumer.velo_fetch.remote(handle))
-    out["velo"], out["put"], out["get_leg"] = put_s + fetch_s, put_s, leg_s
+    turns: list[tuple[str, tuple[Any, ...], str, str, str]] = [
+        ("velo_put", (True,), "velo", "put", "get_leg")
+    ]
+    if built:
+        by_build = ("velo_build", (), "velo_built", "seal", "built_get_leg")
+        turns.insert(0 if velo_first else 1, by_build)
+    for turn in turns:
+        through_velo(*turn)
     out["velo_stolen"] = stolen_since(start)
     if velo_first:
         through_ray()

@@ -8,6 +8,9 @@ host b; every column is measured here, in one run, side by side:
 * ``velo``: ``rv.put`` on a, ``rv.fetch`` and the same read on b (UCX GET over the link).
 * ``put`` and ``get_leg``: the producer's ``rv.put`` alone and the consumer agent's UCX GET
   alone (what is left of ``velo`` is the control calls and the consumer's read).
+* ``velo_built``: the same, the array built in place: ``rv.empty`` on a, filled (the fill,
+  which stands for the producer computing its result there, is not timed), sealed with no
+  staging copy; ``seal`` and ``built_get_leg`` as ``put`` and ``get_leg``.
 * ``pipe_ray`` / ``pipe_velo``: an actor on a returns the array to a task on b that reads
   it, undecorated and under ``@rv.transfer``, timed from this driver.
 * ``chunked``: ``velo`` again with the kill switch on both agents (the chunked path).
@@ -165,7 +168,7 @@ def _measure_sizes(
     samples: dict[int, dict[str, list[float]]] = {}
     turns = itertools.cycle([False, True])  # Ray first, then ray_velo first, by turns
     for size in sizes:
-        _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch")
+        _say(f"  {size // MiB} MiB: Ray object store vs rv.put/rv.fetch vs rv.empty/seal")
         ray.get(producer.make.remote(size))
 
         def after_round(rep: int, size: int = size) -> None:
@@ -174,7 +177,7 @@ def _measure_sizes(
 
         samples[size] = rounds(
             reps,
-            lambda: transfer_round(producer, consumer, velo_first=next(turns)),
+            lambda: transfer_round(producer, consumer, built=True, velo_first=next(turns)),
             after_round,
         )
         rows[size] = {column: statistics.median(v) for column, v in samples[size].items()}

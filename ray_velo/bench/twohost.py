@@ -21,6 +21,7 @@ driver; ``--fan-out`` may ask for more hosts (``--hosts N``: the readers go to b
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
@@ -233,6 +234,7 @@ def run_two_host_fan_out(
 _COLUMNS = (
     ("ray", "Ray"),
     ("velo", "velo"),
+    ("velo_built", "built"),
     ("chunked", "chunked"),
     ("pipe_ray", "pipe Ray"),
     ("pipe_velo", "pipe velo"),
@@ -242,10 +244,16 @@ _COLUMNS = (
 _RATIOS = (
     ("velo", "ray", "velo/Ray"),
     ("velo", "raw_tcp", "velo/raw"),
+    ("velo_built", "raw_tcp", "built/raw"),
     ("chunked", "ray", "chunk/Ray"),
     ("pipe_velo", "pipe_ray", "pipe v/R"),
 )
 
+
+#: (whole, staging, GET leg) columns of each ray_velo transfer: medians of each, so the
+#: remainder is only roughly the control calls and the read.
+_BREAKDOWNS = (("velo", "put", "get_leg"), ("velo_built", "seal", "built_get_leg"))
+_LABEL = dict(_COLUMNS)
 
 #: A round whose transfer or probe lost more of the machine's CPU time than this to the
 #: hypervisor is "disturbed": its ratio is shown, and left out of the quiet-round median.
@@ -266,13 +274,14 @@ def _round_lines(result: LinkResult, size: int) -> list[str]:
         lines.append(
             f"{'':>7} {size // MiB} MiB CPU stolen by the hypervisor, round by round: {each}"
         )
-    for raw in ("raw_tcp", "raw_ucx"):
-        ratios = result.round_ratios(size, "velo", raw)
+    for velo, raw in itertools.product(("velo", "velo_built"), ("raw_tcp", "raw_ucx")):
+        ratios = result.round_ratios(size, velo, raw)
         if not ratios:
             continue
         each = ", ".join(f"{r:.2f}" for r in ratios)
+        name = f"{'built' if velo == 'velo_built' else 'velo'}/{raw.replace('_', ' ')}"
         text = (
-            f"{'':>7} {size // MiB} MiB velo/{raw.replace('_', ' ')} round by round: {each} "
+            f"{'':>7} {size // MiB} MiB {name} round by round: {each} "
             f"(median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}"
         )
         quiet = [r for r, s in zip(ratios, stolen, strict=False) if s <= QUIET_STOLEN]
@@ -300,12 +309,14 @@ def format_two_host(results: Sequence[LinkResult]) -> str:
             lines.append(f"{result.link:>7} {size // MiB:>4} MiB " + " ".join(cells))
         for size in sorted(result.rows):
             row = result.rows[size]
-            velo, put, leg = row.get("velo"), row.get("put"), row.get("get_leg")
-            if velo and put and leg:
-                lines.append(
-                    f"{'':>7} {size // MiB} MiB velo breakdown: put {put * 1e3:.1f} ms, UCX GET "
-                    f"{leg * 1e3:.1f} ms, control calls + read {(velo - put - leg) * 1e3:.1f} ms"
-                )
+            for total, staging, leg in _BREAKDOWNS:
+                whole, stage_s, leg_s = row.get(total), row.get(staging), row.get(leg)
+                if whole and stage_s and leg_s:
+                    lines.append(
+                        f"{'':>7} {size // MiB} MiB {_LABEL[total]} breakdown: {staging} "
+                        f"{stage_s * 1e3:.1f} ms, UCX GET {leg_s * 1e3:.1f} ms, control calls + "
+                        f"read {(whole - stage_s - leg_s) * 1e3:.1f} ms"
+                    )
             lines.extend(_round_lines(result, size))
         lines.append(
             f"{'':>7} UCX transport that moved velo's bytes: {result.transport()}; "
@@ -319,7 +330,8 @@ def format_two_host(results: Sequence[LinkResult]) -> str:
     lines.append(
         "GB/s, medians. Two emulated hosts (network namespaces, veth link shaped with tc tbf, "
         "`ray start` on each, UCX over tcp). Ray / velo / chunked = put on host a + fetch and "
-        "read of every page on host b (chunked: kill switch on both agents); pipe = actor on a "
+        "read of every page on host b (chunked: kill switch on both agents); built = the same "
+        "array built in place on a (rv.empty, fill not timed, seal: no staging copy); pipe = actor on a "
         "returns the array to a task on b that reads it, undecorated vs @rv.transfer, timed "
         "from the driver; raw tcp = one plain TCP socket a -> b; raw ucx = bare UCX GET."
     )

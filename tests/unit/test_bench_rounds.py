@@ -60,3 +60,28 @@ def test_cpu_ticks_count_steal_among_all_ticks(tmp_path: Path) -> None:
     stat.write_text("cpu  1 2 3\n")  # an old kernel: no steal column
     assert cpu_ticks(str(stat)) == (0, 6)
     assert cpu_ticks(str(tmp_path / "missing")) == (0, 0)
+
+
+def test_the_built_in_place_transfer_has_its_own_rounds_and_breakdown() -> None:
+    result = LinkResult("10gbit")
+    result.samples[GiB] = {
+        "velo": [1.0, 1.25],
+        "velo_built": [0.95, 1.0],
+        "raw_tcp": [0.9, 0.95],
+    }
+    result.rows[GiB] = {
+        "velo": 1.1,
+        "put": 0.1,
+        "get_leg": 0.9,
+        "velo_built": 1.0,
+        "seal": 0.002,
+        "built_get_leg": 0.95,
+        "raw_tcp": 0.9,
+    }
+    text = format_two_host([result])
+    assert "velo/raw tcp round by round: 0.90, 0.76" in text
+    assert "built/raw tcp round by round: 0.95, 0.95" in text
+    assert "velo breakdown: put 100.0 ms, UCX GET 900.0 ms, control calls + read 100.0 ms" in text
+    assert "built breakdown: seal 2.0 ms, UCX GET 950.0 ms, control calls + read 48.0 ms" in text
+    header = text.splitlines()[0].split()
+    assert "built" in header and "built/raw" in header
