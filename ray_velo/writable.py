@@ -21,6 +21,7 @@ are not references: whoever keeps one must not write through it after ``seal``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -39,7 +40,7 @@ from ray_velo.protocol import DataHandle
 
 __all__ = ["PinnedWriter", "SendBuffer", "alloc_pinned_writer", "empty"]
 
-_log = logging.getLogger("ray_velo")
+_log = logging.getLogger(__name__)
 
 
 class _ReservationBytes:
@@ -86,9 +87,15 @@ def typed_array(
 def held_elsewhere(array: np.ndarray[Any, Any]) -> bool:
     """Whether anything but the caller's one name for ``array`` still reaches its memory:
     another name, a view (whose ``base`` is ``array`` or one of its bases), a memoryview,
-    a tensor over it. CPython reference counts; raw addresses are not seen."""
-    # array: the caller's name, this parameter, getrefcount's argument
-    if sys.getrefcount(array) > 3:
+    a tensor over it. CPython reference counts; raw addresses are not seen. Always True
+    where this interpreter's counts are not the ones checked here (assume held: copy)."""
+    return not _counts_as_expected() or _more_than_one_name(array)
+
+
+def _more_than_one_name(array: np.ndarray[Any, Any]) -> bool:
+    # array: the caller's caller's name, the caller's parameter, this parameter,
+    # getrefcount's argument
+    if sys.getrefcount(array) > 4:
         return True
     link = array.base
     while link is not None:
@@ -97,6 +104,35 @@ def held_elsewhere(array: np.ndarray[Any, Any]) -> bool:
             return True
         link = link.base if isinstance(link, np.ndarray) else None
     return False
+
+
+class _Probe:
+    __slots__ = ("__array_interface__", "_memory")
+
+    def __init__(self) -> None:
+        self._memory = np.zeros(64, dtype=np.uint8)
+        self.__array_interface__ = dict(self._memory.__array_interface__)
+
+
+@functools.cache
+def _counts_as_expected() -> bool:
+    """Whether reference counts here are what :func:`_more_than_one_name` assumes (they are
+    on CPython 3.10-3.13): a sole name reads as one, a name and a view as more."""
+    array = typed_array(_Probe(), np.dtype(np.float32), (4, 4))
+    alone = _sole_name_reads_as_held(array)
+    view = array[1:]
+    viewed = _sole_name_reads_as_held(array)
+    del view
+    if alone or not viewed:
+        _log.warning(
+            "ray_velo cannot tell from this interpreter's reference counts whether an array "
+            "is still referenced: SendBuffer.seal() will always copy"
+        )
+    return not alone and viewed
+
+
+def _sole_name_reads_as_held(array: np.ndarray[Any, Any]) -> bool:
+    return _more_than_one_name(array)  # the same depth of calls as held_elsewhere
 
 
 class PinnedWriter:

@@ -79,3 +79,21 @@ def test_an_array_over_plain_numpy_memory_is_judged_the_same() -> None:
     assert held_elsewhere(array)
     del view
     assert not held_elsewhere(array)
+
+
+def test_this_interpreter_counts_references_as_the_check_expects() -> None:
+    """Else every seal copies (safe, slow): a new CPython that counts differently must show
+    up here, not as a silent loss of the zero-copy path."""
+    from ray_velo import writable
+
+    assert writable._counts_as_expected()
+
+
+def test_an_interpreter_whose_counts_cannot_be_read_makes_every_seal_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray_velo import writable
+
+    monkeypatch.setattr(writable, "_counts_as_expected", lambda: False)
+    array = _array()
+    assert held_elsewhere(array)
