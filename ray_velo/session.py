@@ -5,7 +5,8 @@ Every call to the local agent goes through :func:`call`, which maps Ray's errors
 :func:`ray_velo.calls.wait`). The staging and reading primitives here are what the public API
 (:mod:`ray_velo.api`) and transparent staging (:mod:`ray_velo.staging`) share:
 
-* :func:`stage`: reserve on the agent, write the bytes into the shared segment, commit;
+* :func:`stage`: reserve on the agent, write the bytes into the shared segment, commit
+  (:func:`reserve` and :func:`commit` alone: a payload built in place, :mod:`ray_velo.writable`);
 * :func:`lease`: a local lease on a handle's bytes on this node (brought over if remote);
 * :func:`leased_array`: a read-only view whose lease ends when the view is collected;
 * :func:`claim_end` / :func:`release_soon`: end a claim or drop a reference, not waited for.
@@ -41,8 +42,10 @@ from ray_velo.protocol import DataHandle, TypeHeader
 __all__ = [
     "AGENT_SLACK_S",
     "Session",
+    "StagingJob",
     "call",
     "claim_end",
+    "commit",
     "current",
     "end_lease",
     "fetch_bound",
@@ -51,9 +54,11 @@ __all__ = [
     "leased_array",
     "read",
     "release_soon",
+    "reserve",
     "segment_view",
     "stage",
     "staging_job",
+    "staging_terms",
     "view_of",
 ]
 
@@ -318,9 +323,7 @@ def staging_terms(ttl: float | None, lifetime: str | None) -> StagingJob:
     return StagingJob(job, detached or in_detached_actor)
 
 
-def reserve(
-    nbytes: int, pinned: bool, may_map: bool = True
-) -> tuple[Session, Reservation | None]:
+def reserve(nbytes: int, pinned: bool, may_map: bool = True) -> tuple[Session, Reservation | None]:
     """Reserve ``nbytes`` on this node's agent for this process to write, on the node's
     fresh agent if the one reached died (nothing is staged yet). None: ``may_map`` False
     and no mapped arena fits."""

@@ -27,6 +27,7 @@ import math
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -45,8 +46,8 @@ _log = logging.getLogger(__name__)
 
 class _ReservationBytes:
     """Exports a reservation's memory, writable, to numpy: the ``base`` every array over it
-    leads to. When it is collected the reservation goes back to the pool, unless
-    :meth:`keep` was called (the agent took it as a slot)."""
+    leads to. When it is collected the reservation goes back to the pool, unless its
+    finalizer was detached first (the agent took the reservation as a slot)."""
 
     __slots__ = ("__array_interface__", "__weakref__", "_finalizer", "_view")
 
@@ -278,7 +279,7 @@ class SendBuffer:
 
 
 def empty(
-    shape: int | tuple[int, ...],
+    shape: int | Sequence[int],
     dtype: Any = np.float64,
     *,
     pinned: bool = True,
@@ -296,7 +297,7 @@ def empty(
         ConfigError: ``ttl`` or ``lifetime`` is invalid.
         ValueError: ``shape`` has a negative dimension.
     """
-    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(map(int, shape))
     if any(d < 0 for d in dims):
         raise ValueError(f"shape {dims} has a negative dimension")
     kind = np.dtype(dtype)

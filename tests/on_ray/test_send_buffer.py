@@ -140,6 +140,9 @@ def test_shapes_and_dtypes_arrive_as_built(velo: None, shape: Any, dtype: Any) -
 
 
 def test_bad_requests_are_refused_before_any_memory_is_reserved(velo: None) -> None:
+    """Bad shapes, dtypes, ttl and lifetime raise before a reservation is made."""
+    with rv.empty(np.int64(3), np.uint8) as buf:  # a numpy integer is a shape too
+        assert buf.array.shape == (3,)
     with pytest.raises(ValueError, match="negative"):
         rv.empty((4, -1), np.uint8)
     with pytest.raises(rv.UnsupportedPayload, match="Python objects"):
