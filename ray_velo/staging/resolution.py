@@ -29,7 +29,10 @@ __all__ = ["Resolution", "discard_tree", "resolve", "resolve_stream", "stage_tre
 
 
 def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> Any:
-    """``value`` with every payload above the threshold staged and replaced."""
+    """``value`` with every payload above the threshold staged and replaced. If staging
+    one fails (or the task is interrupted meanwhile), those already staged are released:
+    nobody would ever hold their handles."""
+    staged: list[StagedValue] = []
 
     def leaf(item: Any) -> Any:
         if isinstance(item, StagedValue):
@@ -47,9 +50,14 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
         )
         if handle is None:  # no mapped arena fits: Ray carries it this time (spec)
             return item
-        return StagedValue(handle, nbytes, options.consumers, budget_s)
+        staged.append(StagedValue(handle, nbytes, options.consumers, budget_s))
+        return staged[-1]
 
-    return walk(value, leaf)
+    try:
+        return walk(value, leaf)
+    except BaseException:
+        discard_tree(staged)
+        raise
 
 
 def _released(staged: StagedValue) -> HandleReleased:

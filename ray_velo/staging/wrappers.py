@@ -15,6 +15,7 @@ the spec's transparent staging onto Ray.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -23,7 +24,7 @@ from typing import Any
 
 import ray
 
-from ray_velo.staging.resolution import Resolution, stage_tree
+from ray_velo.staging.resolution import Resolution, discard_tree, stage_tree
 from ray_velo.staging.tree import TransferOptions
 
 __all__ = [
@@ -67,11 +68,16 @@ def _callee(
             try:
                 args, kwargs = resolution.tree((args, kwargs))
                 for item in fn(*args, **kwargs):
-                    yield (
-                        stage_tree(item, options, _budget(options))
-                        if options.stage_returns
-                        else item
-                    )
+                    if not options.stage_returns:
+                        yield item
+                        continue
+                    staged = None
+                    try:
+                        staged = stage_tree(item, options, _budget(options))
+                        yield staged
+                    except BaseException:
+                        _drop_unsent(staged)
+                        raise
                 ok = True
             finally:  # also a stream closed early
                 resolution.end(consume=ok or not retried_on_error)
@@ -131,14 +137,31 @@ def _async_generator_callee(
         try:
             args, kwargs = await asyncio.to_thread(resolution.tree, (args, kwargs))
             async for item in fn(*args, **kwargs):
-                if options.stage_returns:
-                    item = await asyncio.to_thread(stage_tree, item, options, _budget(options))
-                yield item
+                if not options.stage_returns:
+                    yield item
+                    continue
+                staged = None
+                try:
+                    staged = await asyncio.to_thread(stage_tree, item, options, _budget(options))
+                    yield staged
+                except BaseException:
+                    await asyncio.to_thread(_drop_unsent, staged)
+                    raise
             ok = True
         finally:
             resolution.end(consume=ok or not retried_on_error)
 
     return async_generator_body
+
+
+def _drop_unsent(staged: Any) -> None:
+    """A streamed item staged but interrupted before Ray took it, or a stream closed at its
+    yield (the runner ends a generator that way only when the stream is cancelled): nobody
+    may ever hold its handles, so release them. A reader of a cancelled stream discards
+    its items anyway; releasing one it already has is refused harmlessly."""
+    if staged is not None:
+        with contextlib.suppress(Exception):
+            discard_tree(staged)
 
 
 # --- the caller side ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import ray
 
 import ray_velo as rv
 from ray_velo.config import KiB, MiB
-from tests.on_ray.conftest import agent_info
+from tests.on_ray.conftest import agent_info, wait_for
 from tests.on_ray.test_faults import used_bytes
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
@@ -278,3 +278,59 @@ def test_forwarded_values_carry_no_staging_metadata(velo: None) -> None:
     next receiver never fetches the first caller's handle, and nothing stays staged."""
     array = np.full(2 * MiB, 3, dtype=np.uint8)
     assert ray.get(forward.remote(array)) == 3 * 2 * MiB
+
+
+class _Interrupted(BaseException):
+    """What a cancelled task sees (Ray raises KeyboardInterrupt in it)."""
+
+
+def test_a_result_whose_staging_is_interrupted_midway_leaves_nothing_staged(
+    velo: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two payloads in one result; the second one's staging is interrupted: the first,
+    already staged, is released, since nobody could ever hold its handle."""
+    from ray_velo import session
+    from ray_velo.staging.resolution import stage_tree
+
+    warm_on_node_a(MiB)
+    before = agent_info("node_a")["live_slots"]
+    stage = session.stage_transparent
+    staged_first: list[int] = []
+
+    def interrupted_second(obj: Any, **kwargs: Any) -> Any:
+        if staged_first:
+            staged_first.append(agent_info("node_a")["live_slots"])
+            raise _Interrupted
+        staged_first.append(1)
+        return stage(obj, **kwargs)
+
+    monkeypatch.setattr(session, "stage_transparent", interrupted_second)
+    with pytest.raises(_Interrupted):
+        stage_tree([np.ones(MiB, np.uint8), np.ones(MiB, np.uint8)], rv.TransferOptions(), None)
+    assert staged_first == [1, before + 1], "the first payload was not staged in place"
+    wait_for("the first payload released", lambda: agent_info("node_a")["live_slots"] == before)
+
+
+def test_a_stream_closed_at_its_yield_releases_the_item_it_handed_out(velo: None) -> None:
+    """Ray ends a streaming generator at its yield only when the stream is cancelled: the
+    item it was handing out may never reach a reader, so it is released. A stream that runs
+    to its end keeps every item staged for its readers."""
+    from ray_velo.staging.resolution import discard_tree
+    from ray_velo.staging.wrappers import _callee
+
+    def numbers() -> Any:
+        for i in range(3):
+            yield np.full(MiB, i, np.uint8)
+
+    warm_on_node_a(MiB)
+    before = agent_info("node_a")["live_slots"]
+    body = _callee(numbers, rv.TransferOptions())
+    cancelled = body()
+    first = next(cancelled)
+    assert isinstance(first, rv.StagedValue)
+    assert agent_info("node_a")["live_slots"] == before + 1
+    cancelled.close()
+    wait_for("the handed-out item released", lambda: agent_info("node_a")["live_slots"] == before)
+    finished = list(body())
+    assert [rv.metadata(item.handle).refcount for item in finished] == [1, 1, 1]
+    discard_tree(finished)
