@@ -56,7 +56,8 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
     try:
         return walk(value, leaf)
     except BaseException:
-        discard_tree(staged)
+        with contextlib.suppress(Exception):  # the original error is the one to raise
+            discard_tree(staged)
         raise
 
 
