@@ -12,7 +12,8 @@ performs the effects outside it.
 **The buffer ledger.** Every pool buffer the agent has handed out is in ``holders``, under
 exactly one holder, and moves between holders only through this class:
 
-    reservation:<rid>   a producer writes it (or a PinnedWriter, which a fetch may fill)
+    reservation:<rid>   a producer writes it (rv.put, a SendBuffer, or a PinnedWriter,
+                        which a fetch may fill); the process's side: ray_velo/writable.py
     slot:<id>           a staged slot's bytes
     fetch:<id>          the destination of a fetch (or a region copy) in progress
     relayed:<id>        a failed fetch's bytes, waiting for the other nodes reading them
