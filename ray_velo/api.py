@@ -34,7 +34,7 @@ from ray_velo.actors.directory import (
     load_cluster_config,
     store_cluster_config,
 )
-from ray_velo.config import VeloConfig, check_lifetime
+from ray_velo.config import VeloConfig
 from ray_velo.errors import RegionDeregistered
 from ray_velo.local.records import LocalLease
 from ray_velo.payload import check_fetch_device, from_bytes_view
@@ -469,9 +469,8 @@ def register_data_in_region(
     """
     if not 0 <= start <= stop <= guard.nbytes:
         raise ValueError(f"range [{start}, {stop}) outside region of {guard.nbytes} bytes")
-    detached = check_lifetime(lifetime)
-    job, in_detached_actor = session.staging_job()
+    follows = session.job_for(lifetime)
     ref = guard._agent.region_stage.remote(
-        guard.region_id, start, stop, TypeHeader(), ttl, job, detached or in_detached_actor
+        guard.region_id, start, stop, TypeHeader(), ttl, follows.job, follows.detached
     )
     return session.call(ref)  # type: ignore[no-any-return]

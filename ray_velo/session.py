@@ -50,6 +50,7 @@ __all__ = [
     "end_lease",
     "fetch_bound",
     "forget",
+    "job_for",
     "lease",
     "leased_array",
     "read",
@@ -318,6 +319,15 @@ def staging_terms(ttl: float | None, lifetime: str | None) -> StagingJob:
     """
     if ttl is not None and not ttl > 0:
         raise ConfigError(field="ttl", value=ttl, rule="must be None or > 0 seconds")
+    return job_for(lifetime)
+
+
+def job_for(lifetime: str | None) -> StagingJob:
+    """The job data staged now with ``lifetime`` follows (see :class:`StagingJob`).
+
+    Raises:
+        ConfigError: ``lifetime`` is not None or "detached".
+    """
     detached = check_lifetime(lifetime)
     job, in_detached_actor = staging_job()
     return StagingJob(job, detached or in_detached_actor)

@@ -279,7 +279,7 @@ def _round_lines(result: LinkResult, size: int) -> list[str]:
         if not ratios:
             continue
         each = ", ".join(f"{r:.2f}" for r in ratios)
-        name = f"{'built' if velo == 'velo_built' else 'velo'}/{raw.replace('_', ' ')}"
+        name = f"{_LABEL[velo]}/{raw.replace('_', ' ')}"
         text = (
             f"{'':>7} {size // MiB} MiB {name} round by round: {each} "
             f"(median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}"
