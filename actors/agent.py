@@ -48,6 +48,7 @@ from ray_velo.owner.state import OwnerState, RegionSlot
 from ray_velo.protocol import DataHandle, TypeHeader, kill_switch_engaged
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
+from ray_velo.wire_auth import WireAuth
 
 __all__ = ["LocalLease", "RendezvousAgent", "Reservation"]
 
@@ -158,9 +159,11 @@ class RendezvousAgent:
         clock: Callable[[], float] = time.monotonic,
         timer: bool = True,
         jobs: JobTable | None = None,
+        wire_auth: WireAuth | None = None,
     ) -> None:
         """An agent for ``node_id``. ``jobs``: Ray's job table, for staged data to follow
-        its job (None: no handle ends with its job). The other keyword arguments are for
+        its job (None: no handle ends with its job). ``wire_auth``: credentials for other
+        agents' TCP wire (None: Ray calls only). The other keyword arguments are for
         ``ray_velo.testing``: an RDMA backend in place of UCX (None: none), a peer directory,
         a clock, and no timer thread (the test calls :meth:`tick`)."""
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
@@ -181,7 +184,9 @@ class RendezvousAgent:
         self.producers = ProducerService(core)
         self.readers = ReaderService(core)
         self.regions = RegionService(core)
-        self.peers = PeerDirectory(rdma, _find_agent, _node_of_worker, node_id, _wire_address)
+        self.peers = PeerDirectory(
+            rdma, _find_agent, _node_of_worker, node_id, _wire_address, wire_auth
+        )
         self.consumer = ConsumerService(core, peers or self.peers, self.owner)
         if peers is None:
             core.tell_copy_ends = self.peers.tell_copy_ends

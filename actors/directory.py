@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import pickle
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +20,7 @@ from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
-from ray_velo.errors import StagingError
+from ray_velo.errors import ConfigError, StagingError
 from ray_velo.local.channel import (
     DISABLE_ENV,
     ChannelServer,
@@ -29,6 +30,8 @@ from ray_velo.local.channel import (
 from ray_velo.owner.relays import RELAY_DISABLE_ENV
 from ray_velo.owner.wire import WIRE_DISABLE_ENV, WireServer
 from ray_velo.protocol.frames import WIRE_METHODS
+from ray_velo.protocol.handshake import SECRET_BYTES
+from ray_velo.wire_auth import WireAuth
 
 __all__ = [
     "NAMESPACE",
@@ -44,12 +47,14 @@ __all__ = [
     "register_all_peers",
     "store_cluster_config",
     "wire_address_of",
+    "wire_secret",
 ]
 
 NAMESPACE = "ray_velo"
 _KV_NAMESPACE = "ray_velo"
 _log = logging.getLogger(__name__)
 _CONFIG_KEY = b"config"
+_WIRE_SECRET_KEY = b"wire_secret"
 #: Threads an agent runs its blocking work on (the handlers, mappings, GETs, copies). A
 #: fetch waiting for an owner's answer holds none of them: it is a coroutine.
 AGENT_THREADS = 64
@@ -103,7 +108,8 @@ class _RendezvousActor:
     def __init__(self, config: VeloConfig, node_id: str) -> None:
         # The blocking calls run on our own threads, never on the event loop.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
-        self.agent = RendezvousAgent(config, node_id, jobs=RayJobTable())
+        self._wire_auth = _load_wire_auth(self._wire_refused)
+        self.agent = RendezvousAgent(config, node_id, jobs=RayJobTable(), wire_auth=self._wire_auth)
         self.worker_id = self.agent.worker_id
         self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
         self._threads_closed = False
@@ -114,10 +120,12 @@ class _RendezvousActor:
         if os.environ.get(DISABLE_ENV) != "1":
             remove_stale_sockets(config.shm_dir)
             path = socket_path(config.shm_dir, os.getpid(), self.worker_id)
-            self._channel = ChannelServer(path, self._channel_call)
+            metrics = self.agent.core.metrics
+            self._channel = ChannelServer(path, self._channel_call, metrics.socket_auth_failed)
         self._wire: WireServer | None = None
-        if os.environ.get(WIRE_DISABLE_ENV) != "1":
-            self._wire = WireServer(ray.util.get_node_ip_address(), self._wire_call)  # type: ignore[no-untyped-call]
+        if self._wire_auth is not None and os.environ.get(WIRE_DISABLE_ENV) != "1":
+            host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            self._wire = WireServer(host, self._wire_call, self._wire_auth)
         self._started: asyncio.Future[None] | None = None
 
     async def _serving(self) -> str:
@@ -149,6 +157,9 @@ class _RendezvousActor:
             # Other nodes' agents reach our copies over the wire: we may keep and serve them.
             self.agent.core.serves_copies = os.environ.get(RELAY_DISABLE_ENV) != "1"
 
+    def _wire_refused(self, reason: str) -> None:
+        self.agent.core.metrics.wire_auth_failed(reason)
+
     async def _wire_call(self, method: str, message: bytes) -> Any:
         return await self.quick(getattr(self.agent, method), message)
 
@@ -167,6 +178,8 @@ class _RendezvousActor:
         info["socket_calls"] = 0 if self._channel is None else self._channel.calls
         info["wire"] = "" if self._wire is None else self._wire.address
         info["wire_calls"] = 0 if self._wire is None else self._wire.calls
+        info["wire_peers"] = 0 if self._wire is None else self._wire.peers
+        info["wire_tls"] = self._wire_auth is not None and self._wire_auth.tls is not None
         return info
 
     async def blocking(self, fn: Any, *args: Any) -> Any:
@@ -270,6 +283,31 @@ for _name in _QUICK_METHODS:
 RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(  # type: ignore[call-overload]
     _RendezvousActor
 )
+
+
+def _load_wire_auth(on_refusal: Any) -> WireAuth | None:
+    """This agent's credentials for the agents' TCP wire (Ray's TLS files where Ray uses
+    TLS); None, logged, when they do not load: the agent then serves and calls no wire."""
+    try:
+        return WireAuth.from_environment(wire_secret(), os.environ, on_refusal)
+    except ConfigError as exc:
+        _log.warning("ray_velo: no TCP wire on this agent (%s); Ray calls instead", exc)
+        return None
+
+
+def wire_secret() -> bytes:
+    """The cluster's wire secret: created once by the first agent that asks, in Ray's KV,
+    which only processes Ray admitted can read (Ray's token guards it)."""
+    internal_kv._internal_kv_put(
+        _WIRE_SECRET_KEY, secrets.token_bytes(SECRET_BYTES), overwrite=False,
+        namespace=_KV_NAMESPACE,
+    )  # fmt: skip
+    value = internal_kv._internal_kv_get(_WIRE_SECRET_KEY, namespace=_KV_NAMESPACE)
+    if not isinstance(value, bytes) or len(value) != SECRET_BYTES:
+        raise ConfigError(
+            field="wire secret", value=None, rule="must be in Ray's KV (ray_velo namespace)"
+        )
+    return value
 
 
 def _worker_key(worker_id: int) -> bytes:

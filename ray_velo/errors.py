@@ -42,6 +42,7 @@ __all__ = [
     "UcxError",
     "UnsupportedPayload",
     "VeloError",
+    "WireAuthError",
 ]
 
 
@@ -233,6 +234,22 @@ class DescriptorError(ProtocolError, ValueError):
 
     def _describe(self) -> str:
         return f"RDMA descriptor refused: {self.fields.get('reason')}"
+
+
+class WireAuthError(ProtocolError):
+    """A peer on the agents' TCP wire failed the handshake that proves it holds the
+    cluster's secret (or, under Ray's TLS, a certificate of the cluster's CA). Fields:
+    ``reason`` (one of ``ray_velo.protocol.handshake.WIRE_AUTH_REASONS``), ``peer``."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        peer = f" with {f['peer']}" if f.get("peer") else ""
+        return (
+            f"the ray_velo wire handshake{peer} failed ({f.get('reason')}): only agents of "
+            "this Ray cluster (they read its secret from Ray's KV) are served. If both ends are "
+            "agents of one cluster, check that they run the same ray_velo version and, with "
+            "RAY_USE_TLS=1, certificates signed by the same CA"
+        )
 
 
 class TransferError(VeloError):

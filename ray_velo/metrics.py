@@ -20,6 +20,10 @@ Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {p
 ``velo_transparent_inline`` (transparent payloads that no mapped arena could take),
 ``velo_device_staged`` {reason} (CUDA tensors staged through host memory).
 
+Security series: ``velo_wire_auth_failures`` {reason} (TCP wire peers that failed the
+handshake, on either side) and ``velo_socket_auth_failures`` (processes of another user
+refused at the agent's Unix socket).
+
 Every counter exists from the agent's start (at 0, for each label value it can take) and
 every gauge is set then and re-set on the agent's timer (:data:`GAUGE_REFRESH_S`), so a
 dashboard never shows "no data" for a quiet node. The histograms appear with their first
@@ -37,6 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ray_velo.protocol.handshake import WIRE_AUTH_REASONS
 from ray_velo.protocol.path import (
     CONSUMER_FAILURE_REASONS,
     DEVICE_STAGING_REASONS,
@@ -112,6 +117,13 @@ GET_BUCKETS_S = [
 ]
 
 
+#: The help texts of the security series (Ray's export and the standalone registry).
+WIRE_AUTH_HELP = (
+    "TCP wire connections closed because the peer failed the handshake (it does not hold "
+    "the cluster's secret or certificate, said nothing in time, or was dropped from a full "
+    "queue of pending handshakes), by reason."
+)
+SOCKET_AUTH_HELP = "Connections to the agent's Unix socket from another user, closed unread."
 #: The help text of ``velo_relay_fetches`` (Ray's export and the standalone registry).
 RELAY_HELP = "Fetches whose bytes came (some or all) from another node's copy, not the owner."
 
@@ -139,6 +151,8 @@ class _RayExport:
             self.device_staged,
             self.live_slots,
             self.staged_bytes,
+            self.wire_auth_failures,
+            self.socket_auth_failures,
         ):
             metric.set_default_tags(tags)
         self._prime()
@@ -211,6 +225,12 @@ class _RayExport:
         self.device_staged = rm.Counter(
             "velo_device_staged", DEVICE_STAGED_HELP, tag_keys=("reason", "node")
         )
+        self.wire_auth_failures = rm.Counter(
+            "velo_wire_auth_failures", WIRE_AUTH_HELP, tag_keys=("reason", "node")
+        )
+        self.socket_auth_failures = rm.Counter(
+            "velo_socket_auth_failures", SOCKET_AUTH_HELP, tag_keys=("node",)
+        )
 
     def _prime(self) -> None:
         """Every counter at 0 for each label value it can take: Ray's ``inc`` refuses 0, so
@@ -227,6 +247,9 @@ class _RayExport:
         self.relayed._record(0)
         for reason in DEVICE_STAGING_REASONS:
             self.device_staged._record(0, {"reason": reason})
+        for reason in WIRE_AUTH_REASONS:
+            self.wire_auth_failures._record(0, {"reason": reason})
+        self.socket_auth_failures._record(0)
         for kind in REGISTRATION_KINDS:
             self.registrations._record(0, {"kind": kind})
         for path in FETCH_PATHS:
@@ -263,6 +286,8 @@ class AgentMetrics:
         self.fetches: Counter[str] = Counter()
         self.relay_fetches_total = 0
         self.device_staged_total: Counter[str] = Counter(dict.fromkeys(DEVICE_STAGING_REASONS, 0))
+        self.wire_auth_failures: Counter[str] = Counter(dict.fromkeys(WIRE_AUTH_REASONS, 0))
+        self.socket_auth_failures_total = 0
         self.live_slots = 0
         self.staged_bytes = 0
         self.arenas: dict[str, int] = dict.fromkeys(ARENA_POOLS, 0)
@@ -308,6 +333,21 @@ class AgentMetrics:
             self.device_staged_total[reason] += 1
         if self._ray is not None:
             self._ray.device_staged.inc(1, {"reason": reason})
+
+    def wire_auth_failed(self, reason: str) -> None:
+        """Count one TCP wire peer that failed the handshake (``reason``: one of
+        ``WIRE_AUTH_REASONS``)."""
+        with self._lock:
+            self.wire_auth_failures[reason] += 1
+        if self._ray is not None:
+            self._ray.wire_auth_failures.inc(1, {"reason": reason})
+
+    def socket_auth_failed(self) -> None:
+        """Count one connection to the agent's Unix socket from another user."""
+        with self._lock:
+            self.socket_auth_failures_total += 1
+        if self._ray is not None:
+            self._ray.socket_auth_failures.inc(1)
 
     def transparent_declined(self) -> None:
         """Count one transparent payload that no mapped arena could take (it travels inside
@@ -399,6 +439,8 @@ class AgentMetrics:
                 "velo_fetches_total": dict(self.fetches),
                 "velo_relay_fetches_total": self.relay_fetches_total,
                 "velo_device_staged_total": dict(self.device_staged_total),
+                "velo_wire_auth_failures_total": dict(self.wire_auth_failures),
+                "velo_socket_auth_failures_total": self.socket_auth_failures_total,
                 "velo_live_slots": self.live_slots,
                 "velo_staged_bytes": self.staged_bytes,
                 "velo_arenas": dict(self.arenas),
@@ -456,6 +498,8 @@ class _SnapshotFamilies:
     inline: CounterMetricFamily
     relayed: CounterMetricFamily
     device_staged: CounterMetricFamily
+    wire_auth_failures: CounterMetricFamily
+    socket_auth_failures: CounterMetricFamily
 
     @classmethod
     def create(cls) -> _SnapshotFamilies:
@@ -512,6 +556,12 @@ class _SnapshotFamilies:
             device_staged=CounterMetricFamily(
                 "velo_device_staged", DEVICE_STAGED_HELP, labels=("reason", "node")
             ),
+            wire_auth_failures=CounterMetricFamily(
+                "velo_wire_auth_failures", WIRE_AUTH_HELP, labels=("reason", "node")
+            ),
+            socket_auth_failures=CounterMetricFamily(
+                "velo_socket_auth_failures", SOCKET_AUTH_HELP, labels=("node",)
+            ),
         )
 
     def add_snapshot(self, node: str, snap: dict[str, Any]) -> None:
@@ -541,6 +591,11 @@ class _SnapshotFamilies:
         self.relayed.add_metric((node,), snap.get("velo_relay_fetches_total", 0))
         for reason, n in snap.get("velo_device_staged_total", {}).items():
             self.device_staged.add_metric((reason, node), n)
+        for reason, n in snap.get("velo_wire_auth_failures_total", {}).items():
+            self.wire_auth_failures.add_metric((reason, node), n)
+        self.socket_auth_failures.add_metric(
+            (node,), snap.get("velo_socket_auth_failures_total", 0)
+        )
 
     def in_export_order(self) -> tuple[Metric, ...]:
         """The families in the order a scrape lists them."""
@@ -560,6 +615,8 @@ class _SnapshotFamilies:
             self.device_staged,
             self.live_slots,
             self.staged_bytes,
+            self.wire_auth_failures,
+            self.socket_auth_failures,
         )
 
 

@@ -42,7 +42,7 @@ Rules, from the spec and the lifetime issue:
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,6 +50,7 @@ from typing import Any, Literal
 
 from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
+from ray_velo.protocol.ids import ID_KEY_BYTES, IdSequence
 from ray_velo.protocol.messages import TypeHeader
 
 __all__ = [
@@ -180,7 +181,9 @@ class StoreCounters:
 class SlotStore:
     """The slot table of one owner (one agent incarnation, ``worker_id``)."""
 
-    def __init__(self, worker_id: int, *, node: str = "") -> None:
+    def __init__(self, worker_id: int, *, node: str = "", id_key: bytes | None = None) -> None:
+        """``id_key``: the key of this store's slot and lease ids (random by default; a test
+        passes one to replay a run)."""
         if not 0 < worker_id <= U64_MAX:
             raise ValueError(f"worker_id must be a non-zero u64, got {worker_id}")
         self.worker_id = worker_id
@@ -196,8 +199,11 @@ class SlotStore:
         self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
         self._late_reads: set[int] = set()  # local leases granted while draining
         self._ended_windows: list[Any] = []  # window sets of ended leases, to close
-        self._slot_ids = itertools.count(1)
-        self._lease_ids = itertools.count(1)
+        # Slot and lease ids are capabilities: random-looking and never repeated, so one
+        # handle or lease names no other (protocol/ids.py).
+        key = secrets.token_bytes(ID_KEY_BYTES) if id_key is None else id_key
+        self._slot_ids = IdSequence(key, b"slot")
+        self._lease_ids = IdSequence(key, b"lease")
 
     # --- staging ---------------------------------------------------------------------
 

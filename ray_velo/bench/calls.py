@@ -42,12 +42,12 @@ def _median_ms(reps: int, one: Callable[[], object]) -> float:
 
 def _wire_call(address: str, message: bytes) -> Any:
     """One request on the owner's TCP wire, as an agent's link sends it (a fresh socket is
-    opened once per measurement, as the link keeps one open)."""
+    opened once per measurement and authenticated, as the link keeps one open)."""
+    from ray_velo.actors.directory import wire_secret
     from ray_velo.protocol.frames import HEADER, decode_answer, encode_request
+    from ray_velo.wire_auth import WireAuth
 
-    host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock = WireAuth.from_environment(wire_secret()).connect_blocking(address, 30.0)
     request = encode_request("_rv_metadata", 1, message)
 
     def once() -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from ray_velo.consumer.deadline import Deadline
-from ray_velo.errors import OwnerDied, VeloError
+from ray_velo.errors import OwnerDied, VeloError, WireAuthError
 from ray_velo.protocol import (
     AcquireRequest,
     DataHandle,
@@ -28,6 +28,7 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
+from ray_velo.wire_auth import WireAuth
 
 __all__ = [
     "Blocking",
@@ -209,14 +210,18 @@ class WireOwnerLink:
     cannot be made (an owner without the wire: an older version, or a closed port).
 
     One connection, opened on the event loop by the first call and shared by every fetch:
-    calls are matched to answers by id. A connection that breaks fails its calls with
-    OwnerDied (the agent is gone, or the link is: the fetch retries once on a fresh link).
+    calls are matched to answers by id. Nothing is sent on it before the owner proved it
+    holds the cluster's secret (``auth``); an owner that fails is never called there again
+    (Ray calls, which Ray authenticates, from then on). A connection that breaks fails its
+    calls with OwnerDied (the agent is gone, or the link is: the fetch retries once on a
+    fresh link).
     """
 
-    def __init__(self, ray_link: RayOwnerLink, address: str) -> None:
+    def __init__(self, ray_link: RayOwnerLink, address: str, auth: WireAuth) -> None:
         self.ray = ray_link
         self.node = ray_link.node
         self.address = address
+        self.auth = auth
         self.disabled = False  # the connection failed: Ray calls from now on
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -314,9 +319,13 @@ class WireOwnerLink:
             left = deadline.remaining()
             try:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port)),
+                    self.auth.connect(host, int(port)),
                     min(_CONNECT_TIMEOUT_S, left) if left is not None else _CONNECT_TIMEOUT_S,
                 )
+            except WireAuthError as exc:  # not an agent of this cluster: never again
+                self.auth.refused(exc)
+                self.disabled = True
+                return False
             except (OSError, asyncio.TimeoutError, ValueError):
                 self.disabled = True  # Ray calls say whether the owner is alive
                 return False

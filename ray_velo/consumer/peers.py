@@ -19,6 +19,7 @@ from ray_velo.consumer.links import OwnerLink, RayOwnerLink, WireOwnerLink
 from ray_velo.consumer.relay import RelayLink, copy_gone_notice
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.protocol import DataHandle
+from ray_velo.wire_auth import WireAuth
 
 __all__ = ["PeerDirectory", "Peers"]
 
@@ -63,11 +64,15 @@ class PeerDirectory:
         node_of_worker: Callable[[int], str | None],
         own_node: str,
         wire_address: Callable[[int], str | None] = lambda worker_id: None,
+        wire_auth: WireAuth | None = None,
     ) -> None:
+        """``wire_auth``: this agent's credentials for other agents' TCP wire (None: it
+        reaches them with Ray calls only)."""
         self._rdma = rdma
         self._find_agent = find_agent
         self._node_of_worker = node_of_worker
-        self._wire_address = wire_address
+        self._wire_address = wire_address if wire_auth is not None else lambda worker_id: None
+        self._wire_auth = wire_auth
         self._own_node = own_node
         self._lock = threading.Lock()
         self._links: dict[str, RayOwnerLink | WireOwnerLink] = {}
@@ -100,7 +105,9 @@ class PeerDirectory:
         ray_link = RayOwnerLink(actor, node)
         address = self._wire_address(handle.worker_id)
         # An owner that serves its short handlers over TCP is called there.
-        found = WireOwnerLink(ray_link, address) if address else ray_link
+        found: RayOwnerLink | WireOwnerLink = ray_link
+        if address and self._wire_auth is not None:
+            found = WireOwnerLink(ray_link, address, self._wire_auth)
         with self._lock:
             return self._links.setdefault(node, found)
 
@@ -144,7 +151,9 @@ class PeerDirectory:
         if self._rdma is None or node == self._own_node:
             return None
         address = self._wire_address(worker_id)
-        return RelayLink(address) if address else None
+        if not address or self._wire_auth is None:
+            return None
+        return RelayLink(address, self._wire_auth)
 
     def tell_copy_ends(self, ends: list[tuple[DataHandle, str, int]]) -> None:
         """Tell each copy's agent that its handle ended (see ``AgentCore.tell_copy_ends``),
@@ -156,13 +165,13 @@ class PeerDirectory:
             by_agent.setdefault((node, worker), []).append(handle)
         for (node, worker), handles in by_agent.items():
             address = self._wire_address(worker)
-            if not address:
+            if not address or self._wire_auth is None:
                 continue  # an agent without the wire never says it keeps copies
-            link = RelayLink(address)
+            link = RelayLink(address, self._wire_auth)
             try:
                 for handle in handles:
                     link.notify("_rv_copy", copy_gone_notice(handle, node, worker), 2.0)
-            except OSError:
+            except (OSError, VeloError):  # gone, or not an agent of this cluster
                 pass
             finally:
                 link.close()

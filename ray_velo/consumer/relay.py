@@ -19,7 +19,7 @@ from typing import Any
 
 from ray_velo import nonblocking
 from ray_velo.core import AgentCore
-from ray_velo.errors import HandleNotFound, ProtocolError, UcxError, VeloError
+from ray_velo.errors import HandleNotFound, ProtocolError, UcxError, VeloError, WireAuthError
 from ray_velo.owner.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
 from ray_velo.protocol import (
     CopyNotice,
@@ -31,6 +31,7 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.frames import HEADER, MAX_FRAME_BYTES, decode_answer, encode_request
+from ray_velo.wire_auth import WireAuth
 
 __all__ = ["RelayLink", "RelayServer", "copy_gone_notice", "read_relay"]
 
@@ -103,16 +104,19 @@ class RelayServer:
 
 class RelayLink:
     """A copy's agent over its TCP wire, called from an agent thread: blocking calls on one
-    connection (a relay read makes a handful, then closes it)."""
+    connection (a relay read makes a handful, then closes it), opened only once that agent
+    proved it holds the cluster's secret (``auth``)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, auth: WireAuth) -> None:
         self.address = address
+        self.auth = auth
         self._sock: socket.socket | None = None
         self._ids = 0
 
     def call(self, method: str, message: bytes, timeout_s: float) -> Any:
         """Run ``method`` there and return its answer. Raises what it raised (a VeloError),
-        OSError when the connection fails, ProtocolError for a malformed answer."""
+        OSError when the connection fails, WireAuthError when that agent fails the
+        handshake, ProtocolError for a malformed answer."""
         sock = self._connected(timeout_s)
         sock.settimeout(timeout_s)
         self._ids += 1
@@ -131,7 +135,8 @@ class RelayLink:
 
     def notify(self, method: str, message: bytes, timeout_s: float) -> None:
         """Run ``method`` there without an answer, connecting first if need be. Raises
-        OSError when the agent cannot be reached."""
+        OSError when the agent cannot be reached, WireAuthError when it fails the
+        handshake."""
         self._connected(timeout_s).sendall(encode_request(method, 0, message))
 
     def send(self, method: str, message: bytes) -> None:
@@ -144,9 +149,11 @@ class RelayLink:
 
     def _connected(self, timeout_s: float) -> socket.socket:
         if self._sock is None:
-            host, _, port = self.address.rpartition(":")
-            self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                self._sock = self.auth.connect_blocking(self.address, timeout_s)
+            except WireAuthError as exc:
+                self.auth.refused(exc)
+                raise
         return self._sock
 
     def close(self) -> None:

@@ -12,7 +12,9 @@ commit gate).
 Frames are a 4-byte big-endian length and a pickle: ``(method, args)`` in, ``(ok, value)``
 out, one call at a time per connection; each thread of a process has its own connection.
 The socket file is the agent's, mode 0600 in the node's shm directory: only the user that
-runs Ray reaches it, as with Ray's own plasma socket. A call that finds the agent gone
+runs Ray reaches it, as with Ray's own plasma socket. The agent also asks the kernel who
+connected (``SO_PEERCRED``) and closes, unread, a connection from any other user (a socket
+directory whose modes are not kept, a mode changed by hand). A call that finds the agent gone
 (refused, reset, closed) raises :class:`~ray_velo.errors.AgentDied`, as a dead actor does.
 """
 
@@ -40,6 +42,7 @@ __all__ = [
     "NOTICE_METHODS",
     "AgentChannel",
     "ChannelServer",
+    "peer_uid",
     "remove_stale_sockets",
     "socket_path",
 ]
@@ -59,6 +62,7 @@ _ORDERED_NOTICES = frozenset({"stage_commit", "stage_abort", "local_end"})
 DISABLE_ENV = "VELO_LOCAL_SOCKET_DISABLE"
 _log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _MAX_FRAME = 64 << 20  # a sane bound on one message (they are a few hundred bytes)
 _CLOSE_WAIT_S = 2.0  # bound on the connections' tasks ending at close
 _NOTICE_SEND_S = 5.0  # bound on sending a notice (a few hundred bytes to a live agent)
@@ -95,12 +99,29 @@ def _frame(value: Any) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
-class ChannelServer:
-    """The agent's side: serves :data:`CHANNEL_METHODS` through ``dispatch`` on its loop."""
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (None: not known)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _PEERCRED.size))
+    return int(uid)
 
-    def __init__(self, path: str, dispatch: Callable[[str, tuple[Any, ...]], Awaitable[Any]]):
+
+class ChannelServer:
+    """The agent's side: serves :data:`CHANNEL_METHODS` through ``dispatch`` on its loop, to
+    processes of this agent's own user only; ``on_refusal()`` counts any other."""
+
+    def __init__(
+        self,
+        path: str,
+        dispatch: Callable[[str, tuple[Any, ...]], Awaitable[Any]],
+        on_refusal: Callable[[], None] = lambda: None,
+    ):
         self.path = path
         self._dispatch = dispatch
+        self._on_refusal = on_refusal
+        self._warned_uids: set[int] = set()
         self._server: asyncio.AbstractServer | None = None
         self._busy: set[asyncio.StreamWriter] = set()  # a call in progress
         self._notices: set[asyncio.Future[Any]] = set()
@@ -118,6 +139,9 @@ class ChannelServer:
             os.umask(old_mask)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._own_user(writer):
+            writer.close()
+            return
         serving = asyncio.current_task()
         assert serving is not None  # asyncio runs each connection as a task
         self._serving[writer] = serving
@@ -152,6 +176,27 @@ class ChannelServer:
         finally:
             self._serving.pop(writer, None)
             writer.close()
+
+    def _own_user(self, writer: asyncio.StreamWriter) -> bool:
+        """Whether the connecting process runs as this agent's user (else counted, and its
+        uid logged once)."""
+        sock = writer.get_extra_info("socket")
+        try:
+            uid = -1 if sock is None else peer_uid(sock)
+        except OSError:  # the kernel cannot say who it is: not served
+            uid = -1
+        if uid is None:  # no SO_PEERCRED (not Linux): the file's mode alone guards it
+            return True
+        if uid == os.geteuid():
+            return True
+        self._on_refusal()
+        if uid not in self._warned_uids and len(self._warned_uids) < 1024:
+            self._warned_uids.add(uid)
+            _log.warning(
+                "ray_velo: a process of uid %d connected to the agent's socket %s; closed "
+                "unread (only uid %d, the agent's own, is served)", uid, self.path, os.geteuid(),
+            )  # fmt: skip
+        return False
 
     def _notice(self, method: str, args: tuple[Any, ...]) -> asyncio.Future[Any] | None:
         if method not in NOTICE_METHODS:

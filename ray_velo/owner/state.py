@@ -31,6 +31,7 @@ happens. ``validate()`` rebuilds the ledger from the other tables and compares.
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from typing import Any, Literal, Protocol
 from ray_velo.errors import HandleNotFound, LeaseNotFound, ProtocolError, StagingError
 from ray_velo.owner.relays import CopySources, Relay
 from ray_velo.protocol.handle import DataHandle
+from ray_velo.protocol.ids import ID_KEY_BYTES, IdSequence
 from ray_velo.protocol.messages import TypeHeader
 from ray_velo.store import FreedSlot, Lease, Slot, SlotKind, SlotStore, SweepResult
 
@@ -173,7 +175,8 @@ class OwnerState:
         self._relays: dict[DataHandle, Relay] = {}
         self._relay_fids: dict[int, DataHandle] = {}
         self._relayed: dict[int, tuple[Buffer, bool]] = {}
-        self._relay_leases = itertools.count(1)
+        # Relay lease ids reach other nodes' agents: as unguessable as the store's lease ids.
+        self._relay_leases = IdSequence(secrets.token_bytes(ID_KEY_BYTES), b"relay")
         #: Copies the owner counts: kept past their last reader until it says the handle ended.
         self._kept: set[DataHandle] = set()
         self._kept_idle: dict[DataHandle, float] = {}  # kept copy -> when it ends unread

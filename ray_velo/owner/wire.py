@@ -1,11 +1,18 @@
 """The owner's short handlers served over TCP to other nodes' agents (frames:
 :mod:`ray_velo.protocol.frames`).
 
-Each request runs as its own task, so a slow one (waiting for a commit, on a thread) never
-holds up the others on the connection; answers go back in the order they finish, matched by
-call id. The listening address is published in Ray's KV under the agent's worker id, which a
-consumer reads once per owner: an owner without it (an older version, or the wire turned
-off) is called with Ray calls.
+No handler runs for a peer that has not proved it holds the cluster's secret: every connection
+first runs :meth:`~ray_velo.wire_auth.WireAuth.accept` (TLS too, where Ray uses TLS), bounded
+by :data:`~ray_velo.wire_auth.HANDSHAKE_TIMEOUT_S`; a peer that fails it, or says nothing, is
+closed with nothing read past its handshake. At most :data:`MAX_PENDING_HANDSHAKES`
+handshakes wait at once: a new connection beyond that drops the oldest one still waiting, so a
+flood of silent connections costs a real peer (whose handshake takes a round trip) nothing.
+
+Each request then runs as its own task, so a slow one (waiting for a commit, on a thread)
+never holds up the others on the connection; answers go back in the order they finish,
+matched by call id. The listening address is published in Ray's KV under the agent's worker
+id, which a consumer reads once per owner: an owner without it (the wire turned off, or one
+that could not load Ray's TLS files) is called with Ray calls.
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ray_velo.errors import WireAuthError
 from ray_velo.protocol.frames import (
     HEADER,
     MAX_FRAME_BYTES,
@@ -23,26 +32,44 @@ from ray_velo.protocol.frames import (
     encode_answer,
     encode_error,
 )
+from ray_velo.wire_auth import HANDSHAKE_TIMEOUT_S, WireAuth, peer_address
 
-__all__ = ["WIRE_DISABLE_ENV", "WireServer"]
+__all__ = ["MAX_PENDING_HANDSHAKES", "WIRE_DISABLE_ENV", "WireServer"]
 
 #: Set to 1 in an agent's environment to serve no TCP wire (peers use Ray calls).
 WIRE_DISABLE_ENV = "VELO_PEER_WIRE_DISABLE"
+#: Handshakes in progress at once; a new connection beyond it drops the oldest.
+MAX_PENDING_HANDSHAKES = 64
 
 _log = logging.getLogger(__name__)
 
 
 class WireServer:
-    """Listens on ``host`` (an ephemeral port); runs ``dispatch(method, message)``."""
+    """Listens on ``host`` (an ephemeral port); authenticates each peer with ``auth``, then
+    runs ``dispatch(method, message)`` for its frames."""
 
-    def __init__(self, host: str, dispatch: Callable[[str, bytes], Awaitable[Any]]) -> None:
+    def __init__(
+        self,
+        host: str,
+        dispatch: Callable[[str, bytes], Awaitable[Any]],
+        auth: WireAuth,
+        *,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        max_pending: int = MAX_PENDING_HANDSHAKES,
+    ) -> None:
         self.host = host
         self.port = 0
+        self.auth = auth
         self._dispatch = dispatch
+        self._handshake_timeout_s = handshake_timeout_s
+        self._max_pending = max_pending
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Connections still in their handshake, oldest first, with the task serving each.
+        self._pending: OrderedDict[asyncio.StreamWriter, asyncio.Task[Any]] = OrderedDict()
         self.calls = 0  # requests served, for ray-velo status and the tests
+        self.peers = 0  # connections that passed the handshake
 
     @property
     def address(self) -> str:
@@ -52,8 +79,54 @@ class WireServer:
         self._server = await asyncio.start_server(self._serve, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
+    async def serve_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """One connection, handshake first (the listener's callback; tests call it on
+        in-memory streams)."""
+        await self._serve(reader, writer)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        try:
+            if not await self._authenticated(reader, writer):
+                return
+            self.peers += 1
+            await self._frames(reader, writer)
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _authenticated(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Whether the peer passed the handshake (a failure is counted and the caller closes
+        the connection)."""
+        task = asyncio.current_task()
+        assert task is not None  # asyncio runs each connection as a task
+        if len(self._pending) >= self._max_pending:
+            oldest, waiting = self._pending.popitem(last=False)
+            self.auth.refused(WireAuthError(reason="dropped", peer=peer_address(oldest)))
+            waiting.cancel()
+        self._pending[writer] = task
+        try:
+            await asyncio.wait_for(self.auth.accept(reader, writer), self._handshake_timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            self.auth.refused(WireAuthError(reason="silent", peer=peer_address(writer)))
+        except WireAuthError as exc:
+            self.auth.refused(exc)
+        except asyncio.CancelledError:
+            if self._pending.get(writer) is task:  # not dropped for a newer one: closing
+                raise
+            if hasattr(task, "uncancel"):  # dropped (and counted): this task ends normally
+                task.uncancel()
+        finally:
+            if self._pending.get(writer) is task:
+                del self._pending[writer]
+        return False
+
+    async def _frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 length, kind, call_id = HEADER.unpack(await reader.readexactly(HEADER.size))
@@ -67,9 +140,6 @@ class WireServer:
                 task.add_done_callback(self._tasks.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             return  # the peer closed (or died)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
 
     async def _one(
         self, writer: asyncio.StreamWriter, kind: int, call_id: int, body: bytes
@@ -81,6 +151,10 @@ class WireServer:
             answer = encode_error(call_id, exc)
         if call_id and not writer.is_closing():
             writer.write(answer)
+
+    @property
+    def pending_handshakes(self) -> int:
+        return len(self._pending)
 
     async def close(self) -> None:
         """Stop listening and close every connection."""

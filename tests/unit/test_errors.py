@@ -57,6 +57,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "requested_bytes": 256 << 20,
     },
     "StagingError": {"reason": "zero-length payload"},
+    "WireAuthError": {"reason": "bad_proof", "peer": "10.0.0.7:41234"},
     "TestbedError": {"step": "ray start on host b", "detail": "exit 1: port in use"},
     "TestbedUnavailable": {"reason": "this process runs as uid 1000, not root"},
     "TransferError": {"handle": "00000000deadbeef:7"},

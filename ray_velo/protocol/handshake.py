@@ -1,0 +1,156 @@
+"""The agents' TCP wire handshake: both ends prove they hold the cluster's secret.
+
+Theory of operation. Every agent of a cluster reads one 32-byte secret from Ray's internal KV,
+which only processes Ray admitted can read (Ray's token guards it). Before any frame of
+:mod:`ray_velo.protocol.frames` is read, the two ends of a connection run a challenge and
+response over both sides' fresh nonces; the secret never crosses the wire::
+
+    consumer -> owner   HELLO      magic | client nonce                      (36 bytes)
+    owner -> consumer   CHALLENGE  magic | server nonce | server proof       (68 bytes)
+    consumer -> owner   PROOF      client proof                              (32 bytes)
+    owner -> consumer   ACCEPTED   magic                                     (4 bytes)
+
+    server proof = HMAC-SHA256(secret, "ray_velo wire v1 server" | client nonce | server nonce)
+    client proof = HMAC-SHA256(secret, "ray_velo wire v1 client" | client nonce | server nonce)
+
+Rules, and the attack each one stops:
+
+* The owner proves first, over the consumer's fresh nonce: a consumer never sends a frame to
+  (nor trusts an answer of) a peer that does not hold the secret: a fake owner.
+* The consumer proves over the owner's fresh nonce: a recorded transcript replayed to the
+  owner fails, since the owner's nonce is new on every connection.
+* The two proofs carry different labels: a peer cannot reflect the owner's proof back as its
+  own.
+* Proofs are compared with :func:`hmac.compare_digest` (no timing oracle).
+
+Pure: the nonces are arguments and the messages are fixed-length bytes, so the I/O layer
+(:mod:`ray_velo.wire_auth`) reads exact sizes and the only error here is
+:class:`~ray_velo.errors.WireAuthError`, for any bytes at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from ray_velo.errors import WireAuthError
+
+__all__ = [
+    "ACCEPTED_BYTES",
+    "CHALLENGE_BYTES",
+    "HELLO_BYTES",
+    "MAGIC",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
+    "SECRET_BYTES",
+    "WIRE_AUTH_REASONS",
+    "ClientHandshake",
+    "ServerHandshake",
+]
+
+#: The first bytes either side sends: "RVW" and the handshake's version.
+MAGIC = b"RVW\x01"
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # an HMAC-SHA256
+#: The cluster secret's size (an HMAC key as long as its hash).
+SECRET_BYTES = 32
+HELLO_BYTES = len(MAGIC) + NONCE_BYTES
+CHALLENGE_BYTES = len(MAGIC) + NONCE_BYTES + PROOF_BYTES
+ACCEPTED_BYTES = len(MAGIC)
+_SERVER_LABEL = b"ray_velo wire v1 server"
+_CLIENT_LABEL = b"ray_velo wire v1 client"
+
+#: Why a handshake failed (the ``reason`` label of ``velo_wire_auth_failures``):
+#: ``malformed`` the bytes are not this handshake (another protocol, another version);
+#: ``bad_proof`` a proof that does not verify (another secret, a replayed transcript);
+#: ``silent`` the peer said nothing (or not enough) within the bound; ``closed`` it closed
+#: mid-handshake; ``tls`` the TLS handshake failed (no certificate, an untrusted one, not TLS);
+#: ``dropped`` the owner had too many handshakes pending and dropped the oldest.
+WIRE_AUTH_REASONS = ("malformed", "bad_proof", "silent", "closed", "tls", "dropped")
+
+
+def _proof(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    return hmac.digest(secret, label + client_nonce + server_nonce, hashlib.sha256)
+
+
+def _check_lengths(secret: bytes, nonce: bytes) -> None:
+    if len(secret) < 16:
+        raise ValueError(f"the wire secret must be at least 16 bytes, got {len(secret)}")
+    if len(nonce) != NONCE_BYTES:
+        raise ValueError(f"a handshake nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
+
+
+class ServerHandshake:
+    """The owner's side: :meth:`challenge` answers the hello, :meth:`accept` the proof."""
+
+    def __init__(self, secret: bytes, nonce: bytes) -> None:
+        _check_lengths(secret, nonce)
+        self._secret = secret
+        self._nonce = nonce
+        self._client_nonce: bytes | None = None
+
+    def challenge(self, hello: bytes) -> bytes:
+        """The CHALLENGE for a consumer's HELLO.
+
+        Raises:
+            WireAuthError: ``malformed``: not a HELLO of this version.
+        """
+        if len(hello) != HELLO_BYTES or not hello.startswith(MAGIC):
+            raise WireAuthError(reason="malformed")
+        self._client_nonce = bytes(hello[len(MAGIC) :])
+        proof = _proof(self._secret, _SERVER_LABEL, self._client_nonce, self._nonce)
+        return MAGIC + self._nonce + proof
+
+    def accept(self, proof: bytes) -> bytes:
+        """ACCEPTED, for a PROOF that verifies.
+
+        Raises:
+            WireAuthError: ``bad_proof``: the consumer does not hold the secret (or replays
+                another connection's proof); ``malformed``: no challenge was made yet.
+        """
+        if self._client_nonce is None:
+            raise WireAuthError(reason="malformed")
+        expected = _proof(self._secret, _CLIENT_LABEL, self._client_nonce, self._nonce)
+        if len(proof) != PROOF_BYTES or not hmac.compare_digest(expected, bytes(proof)):
+            raise WireAuthError(reason="bad_proof")
+        return MAGIC
+
+
+class ClientHandshake:
+    """The consumer's side: :meth:`hello`, then :meth:`prove` on the owner's challenge, then
+    :meth:`accepted` on its last answer."""
+
+    def __init__(self, secret: bytes, nonce: bytes) -> None:
+        _check_lengths(secret, nonce)
+        self._secret = secret
+        self._nonce = nonce
+
+    def hello(self) -> bytes:
+        """The HELLO that opens the handshake."""
+        return MAGIC + self._nonce
+
+    def prove(self, challenge: bytes) -> bytes:
+        """The PROOF answering the owner's CHALLENGE, once the owner proved it holds the
+        secret.
+
+        Raises:
+            WireAuthError: ``malformed`` (not a CHALLENGE) or ``bad_proof`` (the owner does not
+                hold the secret: a fake owner, or another cluster's agent).
+        """
+        if len(challenge) != CHALLENGE_BYTES or not challenge.startswith(MAGIC):
+            raise WireAuthError(reason="malformed")
+        server_nonce = bytes(challenge[len(MAGIC) : len(MAGIC) + NONCE_BYTES])
+        got = bytes(challenge[len(MAGIC) + NONCE_BYTES :])
+        expected = _proof(self._secret, _SERVER_LABEL, self._nonce, server_nonce)
+        if not hmac.compare_digest(expected, got):
+            raise WireAuthError(reason="bad_proof")
+        return _proof(self._secret, _CLIENT_LABEL, self._nonce, server_nonce)
+
+    def accepted(self, answer: bytes) -> None:
+        """Check the owner's last answer.
+
+        Raises:
+            WireAuthError: ``malformed``: not ACCEPTED.
+        """
+        if bytes(answer) != MAGIC:
+            raise WireAuthError(reason="malformed")
