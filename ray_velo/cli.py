@@ -144,6 +144,7 @@ def _bench_two_host(args: argparse.Namespace) -> int:
     from ray_velo.bench.twohost import format_two_host, run_two_host
     from ray_velo.errors import TestbedUnavailable
     from ray_velo.testbed import check_privileges
+    from ray_velo.testbed.security import Security
 
     try:
         check_privileges()
@@ -152,16 +153,18 @@ def _bench_two_host(args: argparse.Namespace) -> int:
         return 2
     sizes = [int(float(s) * MiB) for s in (args.sizes or "256").split(",")]
     links = [link.strip() for link in args.link.split(",") if link.strip()]
+    security: Security = {"auth": args.auth, "tls": args.tls}
+    print(f"Ray on the testbed: auth {args.auth}, TLS {'on' if args.tls else 'off'}")
     if args.fan_out:
         from ray_velo.bench.twohost import run_two_host_fan_out
 
         hosts = args.hosts or 2
-        print(run_two_host_fan_out(links, sizes[0], args.fan_out, args.reps, hosts))
+        print(run_two_host_fan_out(links, sizes[0], args.fan_out, args.reps, hosts, security))
         return 0
     if args.transport:
         from ray_velo.bench.twohost import run_two_host_transport
 
-        print(run_two_host_transport(links, sizes[0], args.reps))
+        print(run_two_host_transport(links, sizes[0], args.reps, security))
         return 0
     results = run_two_host(
         links,
@@ -170,6 +173,7 @@ def _bench_two_host(args: argparse.Namespace) -> int:
         with_raw=not args.no_ucx_raw,
         budget_mib=args.budget_mib,
         transfers_only=args.transfers_only,
+        security=security,
     )
     print(format_two_host(results))
     if args.json:
@@ -356,6 +360,23 @@ def _add_two_host_options(bench: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --two-host: Ray, ray_velo and the chunked path only (no pipelines, no "
         "mid-size latency table): for payloads of GiBs",
+    )
+    _add_security_options(bench)
+
+
+def _add_security_options(bench: argparse.ArgumentParser) -> None:
+    """``--auth`` and ``--tls``: Ray's security settings on the two-host testbed."""
+    bench.add_argument(
+        "--auth",
+        choices=("token", "disabled"),
+        default="token",
+        help="with --two-host: Ray's auth mode on every node and driver (default token, Ray's "
+        "coming default, with a fresh token per testbed; disabled to compare)",
+    )
+    bench.add_argument(
+        "--tls",
+        action="store_true",
+        help="with --two-host: run Ray with RAY_USE_TLS=1 (certificates of a throwaway CA)",
     )
 
 

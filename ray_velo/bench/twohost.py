@@ -40,6 +40,7 @@ from ray_velo.bench.actors import (
 )
 from ray_velo.bench.hostdriver import PROBE_PREFIX, RESULT_PREFIX
 from ray_velo.errors import TestbedError
+from ray_velo.testbed.security import DEFAULT_SECURITY, Security
 
 __all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]
 
@@ -156,10 +157,12 @@ def run_two_host(
     with_raw: bool = True,
     budget_mib: int | None = None,
     transfers_only: bool = False,
+    security: Security = DEFAULT_SECURITY,
 ) -> list[LinkResult]:
     """Measure every link in ``links`` (one testbed each); see the module docstring.
     ``budget_mib``: the agents' ``registered_bytes_budget`` (a payload above it moves through
-    registered windows); ``transfers_only``: no pipelines and no mid-size latency table.
+    registered windows); ``transfers_only``: no pipelines and no mid-size latency table;
+    ``security``: Ray's auth mode and TLS on the testbed (Ray's coming default: token auth).
 
     Raises:
         TestbedUnavailable: this machine cannot make network namespaces (not root).
@@ -172,7 +175,7 @@ def run_two_host(
         sys.stderr.write(f"two-host testbed, link {link}:\n")
         # Ray's store holds the payload put and its copy read; more only for the pipelines
         store = max(1 << 30, (2 if transfers_only else 4) * max(sizes))
-        with Testbed(hosts=2, link=link, object_store_bytes=store) as testbed:
+        with Testbed(hosts=2, link=link, object_store_bytes=store, **security) as testbed:
             result = LinkResult(link)
             extra = ["--transfers-only"] if transfers_only else []
             if budget_mib:
@@ -193,7 +196,9 @@ def run_two_host(
     return results
 
 
-def run_two_host_transport(links: Sequence[str], size: int, reps: int = 5) -> str:
+def run_two_host_transport(
+    links: Sequence[str], size: int, reps: int = 5, security: Security = DEFAULT_SECURITY
+) -> str:
     """``--transport``: the tensor transports across each link (one testbed each)."""
     from ray_velo.bench.transport import format_transport
     from ray_velo.testbed import Testbed
@@ -201,14 +206,20 @@ def run_two_host_transport(links: Sequence[str], size: int, reps: int = 5) -> st
     out = []
     for link in links:
         sys.stderr.write(f"two-host testbed, link {link}: tensor transports\n")
-        with Testbed(hosts=2, link=link, object_store_bytes=max(1 << 30, 6 * size)) as testbed:
+        store = max(1 << 30, 6 * size)
+        with Testbed(hosts=2, link=link, object_store_bytes=store, **security) as testbed:
             measured = _drive(testbed, [size], reps, ["--transport"])
         out.append(format_transport(measured, f"two hosts, {link} link, UCX over tcp"))
     return "\n\n".join(out)
 
 
 def run_two_host_fan_out(
-    links: Sequence[str], size: int, k: int, reps: int = 5, hosts: int = 2
+    links: Sequence[str],
+    size: int,
+    k: int,
+    reps: int = 5,
+    hosts: int = 2,
+    security: Security = DEFAULT_SECURITY,
 ) -> str:
     """``--fan-out K [--hosts N]``: one payload from host a to K readers spread round-robin
     over hosts b, c, ... of an ``hosts``-host testbed, across each link (one testbed each).
@@ -226,7 +237,7 @@ def run_two_host_fan_out(
     for link in links:
         sys.stderr.write(f"{hosts}-host testbed, link {link}: fan-out to {k} on {placed}\n")
         store = max(1 << 30, 4 * size)
-        with Testbed(hosts=hosts, link=link, object_store_bytes=store) as testbed:
+        with Testbed(hosts=hosts, link=link, object_store_bytes=store, **security) as testbed:
             rows[link] = _drive(testbed, [size], reps, ["--fan-out", str(k)])
     return format_fan_out(rows, k, size, reps, hosts)
 

@@ -35,6 +35,14 @@ from ray_velo.testbed.netns import (
     process_running,
     remove_stale_networks,
 )
+from ray_velo.testbed.security import (
+    AuthMode,
+    auth_env,
+    make_tls_files,
+    new_token,
+    tls_env,
+    without_inherited,
+)
 
 __all__ = [
     "ENV_VAR",
@@ -51,10 +59,10 @@ GCS_PORT: Final = 6379
 ENV_VAR: Final = "RAY_VELO_TESTBED"
 """What a driver inside the testbed reads to connect (JSON of :class:`TestbedInfo`)."""
 _HOST_RESOURCE_UNITS: Final = 1000
-#: The environment of every Ray process in the testbed: UCX over TCP on the hosts' link, one
-#: auth mode for nodes and drivers (research/two-host.md), no usage reporting.
+#: The environment of every Ray process in the testbed: UCX over TCP on the hosts' link, no
+#: usage reporting. Ray's auth mode (one for nodes and drivers, research/two-host.md) and TLS
+#: come from the testbed's ``auth`` and ``tls`` (:mod:`ray_velo.testbed.security`).
 BASE_ENV: Final = {
-    "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "UCX_TLS": "tcp",
     "UCX_NET_DEVICES": IFACE,
@@ -109,6 +117,10 @@ class Testbed:
         system_config: Ray ``--system-config`` of the head.
         mtu: the links' MTU.
         start_ray: start the Ray nodes (False: the network alone, for link probes).
+        auth: Ray's auth mode for every node and driver: ``"token"`` (Ray's coming default;
+            a fresh token per testbed, :attr:`auth_token`) or ``"disabled"`` to compare.
+        tls: run Ray with ``RAY_USE_TLS=1``, each host with a certificate of a throwaway CA
+            made for this testbed.
 
     Raises (from :meth:`start`):
         TestbedUnavailable: no root, or namespaces cannot be made.
@@ -129,6 +141,8 @@ class Testbed:
         system_config: Mapping[str, Any] | None = None,
         mtu: int = 9000,
         start_ray: bool = True,
+        auth: AuthMode = "token",
+        tls: bool = False,
     ) -> None:
         if hosts > len(string.ascii_lowercase):
             raise ValueError(f"at most {len(string.ascii_lowercase)} hosts, got {hosts}")
@@ -152,6 +166,11 @@ class Testbed:
         )
         self.address = f"{self.hosts[0].address}:{GCS_PORT}"
         self.start_ray = start_ray
+        self.auth: AuthMode = auth
+        self.auth_token = new_token() if auth == "token" else None
+        self._auth_env = auth_env(auth, self.auth_token)
+        self.tls = tls
+        self._tls_env: dict[int, dict[str, str]] = {}
         self._started = False
 
     # --- lifetime ----------------------------------------------------------------------
@@ -162,6 +181,13 @@ class Testbed:
         self.network.build()
         self._started = True
         try:
+            if self.tls:
+                files = make_tls_files(
+                    os.path.join(self.temp_dir, "tls"), [h.address for h in self.hosts]
+                )
+                self._tls_env = {
+                    h.index: tls_env(f) for h, f in zip(self.hosts, files, strict=True)
+                }
             deadline = time.monotonic() + timeout_s
             for host in self.hosts if self.start_ray else ():
                 self._ray_start(host, deadline)
@@ -198,8 +224,14 @@ class Testbed:
 
     def node_env(self, host: Host) -> dict[str, str]:
         """The environment of ``host``'s Ray node (and so of its workers and agent)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        env = {
+            k: v
+            for k, v in without_inherited(os.environ).items()
+            if not k.startswith("RAY_ADDRESS")
+        }
         env.update(BASE_ENV)
+        env.update(self._auth_env)
+        env.update(self._tls_env.get(host.index, {}))
         env.update(self.env)
         env.update(self.host_env.get(host.index, {}))
         return env

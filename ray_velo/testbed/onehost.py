@@ -26,10 +26,11 @@ from types import TracebackType
 from ray_velo.errors import TestbedError
 from ray_velo.testbed.cluster import remove_segments_of
 from ray_velo.testbed.netns import end_processes
+from ray_velo.testbed.security import AuthMode, auth_env, new_token, without_inherited
 
 __all__ = ["OneHostCluster"]
 
-_BASE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+_BASE_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def _free_port() -> int:
@@ -45,16 +46,31 @@ class OneHostCluster:
     context manager; :meth:`run` starts a driver with ``RAY_ADDRESS`` set.
     """
 
-    def __init__(self, workers: int = 1, num_cpus: int = 2, object_store_bytes: int = 1 << 29):
+    def __init__(
+        self,
+        workers: int = 1,
+        num_cpus: int = 2,
+        object_store_bytes: int = 1 << 29,
+        auth: AuthMode = "token",
+    ) -> None:
+        """``auth``: Ray's auth mode for every node and driver (``"token"``: Ray's coming
+        default, with a fresh token; ``"disabled"`` to compare)."""
         self.workers, self.num_cpus, self.object_store_bytes = workers, num_cpus, object_store_bytes
+        self.auth_token = new_token() if auth == "token" else None
+        self._auth_env = auth_env(auth, self.auth_token)
         self.temp_dir = tempfile.mkdtemp(prefix="rvray-")
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._started = False
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        env = {
+            k: v
+            for k, v in without_inherited(os.environ).items()
+            if not k.startswith("RAY_ADDRESS")
+        }
         env.update(_BASE_ENV)
+        env.update(self._auth_env)
         env.update(extra or {})
         return env
 

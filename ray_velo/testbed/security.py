@@ -1,0 +1,156 @@
+"""Ray's security settings for the clusters the testbed builds: token auth and TLS.
+
+Ray turns token authentication on by default (local clusters from 2.59, every cluster from
+2.61), so every testbed runs with it unless told otherwise: a fresh token per testbed, given
+to every node and driver it starts (:func:`auth_env`). With ``tls=True`` each host also gets
+a certificate of a throwaway CA made for that testbed (:func:`make_tls_files`), as Ray's
+``RAY_USE_TLS`` wants: the key never leaves the testbed's temp dir.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Final, Literal, TypedDict
+
+from ray_velo.errors import TestbedUnavailable
+from ray_velo.wire_auth import TlsFiles
+
+__all__ = [
+    "AUTH_MODES",
+    "DEFAULT_SECURITY",
+    "AuthMode",
+    "Security",
+    "auth_env",
+    "make_tls_files",
+    "new_token",
+    "tls_env",
+    "without_inherited",
+]
+
+AuthMode = Literal["token", "disabled"]
+AUTH_MODES: Final = ("token", "disabled")
+
+
+class Security(TypedDict):
+    """A testbed's Ray security settings (the ``auth`` and ``tls`` of ``Testbed``)."""
+
+    auth: AuthMode
+    tls: bool
+
+
+#: Ray's coming default: token auth on, TLS off.
+DEFAULT_SECURITY: Final[Security] = {"auth": "token", "tls": False}
+#: Settings a process may carry from its parent that would contradict the testbed's own.
+_INHERITED: Final = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "RAY_USE_TLS")
+
+
+def new_token() -> str:
+    """A fresh Ray auth token (64 hex digits, as ``ray get-auth-token --generate`` makes)."""
+    return secrets.token_hex(32)
+
+
+def auth_env(mode: AuthMode, token: str | None) -> dict[str, str]:
+    """The environment of every node and driver of a cluster with Ray's auth ``mode``."""
+    if mode not in AUTH_MODES:
+        raise ValueError(f"auth must be one of {AUTH_MODES}, got {mode!r}")
+    env: dict[str, str] = {"RAY_AUTH_MODE": mode}
+    if mode == "token":
+        if not token:
+            raise ValueError("token auth needs a token")
+        env["RAY_AUTH_TOKEN"] = token
+    return env
+
+
+def without_inherited(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the auth and TLS settings a parent process may carry."""
+    return {
+        k: v for k, v in environ.items() if k not in _INHERITED and not k.startswith("RAY_TLS_")
+    }
+
+
+def tls_env(files: TlsFiles) -> dict[str, str]:
+    """The environment of a node (and its drivers) under Ray's TLS with ``files``."""
+    return {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": files.cert,
+        "RAY_TLS_SERVER_KEY": files.key,
+        "RAY_TLS_CA_CERT": files.ca,
+    }
+
+
+def make_tls_files(directory: str, addresses: Sequence[str]) -> list[TlsFiles]:
+    """A throwaway CA in ``directory`` and, for each address, a certificate it signed that
+    names that address (and 127.0.0.1: Ray's processes also dial it locally).
+
+    Raises:
+        TestbedUnavailable: the ``cryptography`` package is missing.
+    """
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError as exc:
+        raise TestbedUnavailable(reason=f"TLS certificates need `cryptography`: {exc}") from exc
+
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+
+    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    def write(name: str, data: bytes) -> str:
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return path
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ray_velo testbed CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid[0])
+        .not_valid_after(valid[1])
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path = write("ca.crt", ca.public_bytes(serialization.Encoding.PEM))
+    out = []
+    for index, address in enumerate(addresses):
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = [
+            x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys((address, "127.0.0.1"))
+        ]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(valid[0])
+            .not_valid_after(valid[1])
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        out.append(
+            TlsFiles(
+                cert=write(f"node{index}.crt", cert.public_bytes(serialization.Encoding.PEM)),
+                key=write(f"node{index}.key", pem_key(key)),
+                ca=ca_path,
+            )
+        )
+    return out
