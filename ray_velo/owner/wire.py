@@ -76,7 +76,13 @@ class WireServer:
         return f"{self.host}:{self.port}"
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, 0)
+        loop = asyncio.get_running_loop()
+        tls = self.auth.tls is not None
+
+        def connection() -> asyncio.StreamReaderProtocol:
+            return _Connection(asyncio.StreamReader(loop=loop), self._serve, hold=tls)
+
+        self._server = await loop.create_server(connection, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def serve_connection(
@@ -167,3 +173,18 @@ class WireServer:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class _Connection(asyncio.StreamReaderProtocol):
+    """A connection as ``asyncio.start_server`` makes it, but with ``hold`` read nothing
+    until the TLS upgrade: a consumer's first TLS bytes that a plain stream read first would
+    be lost to the TLS layer, and its handshake would hang."""
+
+    def __init__(self, reader: asyncio.StreamReader, serve: Any, *, hold: bool) -> None:
+        super().__init__(reader, serve)
+        self._hold = hold
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._hold and isinstance(transport, asyncio.ReadTransport):
+            transport.pause_reading()  # resumed by the TLS upgrade (loop.start_tls)
+        super().connection_made(transport)
