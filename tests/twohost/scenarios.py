@@ -8,7 +8,12 @@ scenario leaves the agents as it found them (default config, no extra environmen
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -25,8 +30,10 @@ from ray_velo.actors.directory import (
     find_agent,
     register_all_peers,
     store_cluster_config,
+    wire_secret,
 )
 from ray_velo.config import MiB, VeloConfig
+from ray_velo.protocol.handshake import ACCEPTED_BYTES, CHALLENGE_BYTES, ClientHandshake
 from ray_velo.testbed import TestbedInfo, connect
 
 RESULT_PREFIX = "RESULT "
@@ -228,8 +235,195 @@ def broadcast(info: TestbedInfo) -> dict[str, Any]:
     }
 
 
+# --- who may use the wire --------------------------------------------------------------
+
+OUTSIDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "outsider.py")
+
+
+def _dial(address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    out = b""
+    while len(out) < size:
+        chunk = sock.recv(size - len(out))
+        if not chunk:
+            raise ConnectionError("the agent closed the handshake")
+        out += chunk
+    return out
+
+
+def _recorded_handshake(address: str) -> bytes:
+    """A real agent's handshake with ``address`` (this driver holds the token, so it reads
+    the secret): its hello and proof, as an eavesdropper would record them."""
+    client = ClientHandshake(wire_secret(), os.urandom(32))
+    with _dial(address) as sock:
+        sock.sendall(client.hello())
+        proof = client.prove(_receive(sock, CHALLENGE_BYTES))
+        sock.sendall(proof)
+        _receive(sock, ACCEPTED_BYTES)
+    return client.hello() + proof
+
+
+def _auth_failures(actor: Any) -> dict[str, int]:
+    return dict(ray.get(actor.agent.remote())["metrics"]["velo_wire_auth_failures_total"])
+
+
+def outsider(info: TestbedInfo) -> dict[str, Any]:
+    """A process on host a without Ray's token tries host b's agent (its wire, with a real
+    handle; its Unix socket as another user; Ray itself), then the legitimate consumer on
+    host a fetches that handle."""
+    owner, consumer = _on(info, 1), _on(info, 0)
+    handle, crc = ray.get(owner.put.remote("array", 8 * MiB, 11))
+    agent_b = ray.get(owner.agent.remote())
+    before = agent_b["metrics"]["velo_wire_auth_failures_total"]
+    spec = {
+        "handle": [handle.worker_id, handle.slot_id],
+        "wire": agent_b["wire"],
+        "socket": agent_b["socket"],
+        "head": info.address,
+        "replay": _recorded_handshake(agent_b["wire"]).hex(),
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
+    with tempfile.TemporaryDirectory() as home:  # no ~/.ray/auth_token to fall back on
+        done = subprocess.run(
+            [sys.executable, OUTSIDER, json.dumps(spec)],
+            env={**env, "HOME": home},
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OUTSIDER ")]
+    if not lines:
+        raise RuntimeError(f"the outsider exited {done.returncode}: {done.stderr[-2000:]}")
+    refcount = rv.metadata(handle).refcount
+    got, _ = ray.get(consumer.fetch.remote(handle))
+    after = _auth_failures(owner)
+    return {
+        "outsider": json.loads(lines[0][len("OUTSIDER ") :]),
+        "wire_tls": agent_b["wire_tls"],
+        "refcount_after_outsider": refcount,
+        "fetched_ok": got == crc,
+        "auth_failures": {
+            k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)
+        },
+        "owner_live_slots": ray.get(owner.agent.remote())["live_slots"],
+    }
+
+
+class _Flood:
+    """``count`` connections to ``address`` that never speak, held open: each one the agent
+    closes is opened again (at most ``per_s`` a second: a sustained flood, not a busy loop
+    on this 2-core machine), until the ``with`` block ends."""
+
+    def __init__(self, address: str, count: int, per_s: float = 200.0) -> None:
+        self.address, self.count, self.per_s, self.opened = address, count, per_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _Flood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        import select
+
+        socks: list[socket.socket] = []
+        started = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                allowed = self.count + (time.monotonic() - started) * self.per_s
+                while len(socks) < self.count and self.opened < allowed:
+                    socks.append(_dial(self.address))
+                    self.opened += 1
+                readable, _, _ = select.select(socks, [], [], 0.02)
+                for sock in readable:  # closed by the agent: readable with nothing to read
+                    socks.remove(sock)
+                    sock.close()
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def _fresh_fetches(info: TestbedInfo, owner: Any, rounds: int, seed: int) -> dict[str, Any]:
+    """``rounds`` times: a fresh agent on host c (so its fetch opens a new wire connection to
+    host b, handshake included), then one 4 MiB payload put on b and fetched on c, timed."""
+    times, ok = [], True
+    for i in range(rounds):
+        _restart([_node_of(info, 2)], None)
+        consumer = _on(info, 2)
+        ray.get(consumer.agent.remote())
+        handle, crc = ray.get(owner.put.remote("array", 4 * MiB, seed + i))
+        started = time.monotonic()
+        got, _ = ray.get(consumer.fetch.remote(handle))
+        times.append(time.monotonic() - started)
+        ok = ok and got == crc
+        ray.kill(consumer)
+    return {"ok": ok, "times_s": times}
+
+
+def silent_flood(info: TestbedInfo) -> dict[str, Any]:
+    """200 connections that never speak held open on host b's wire (each one b closes opened
+    again, 200 a second) while freshly started agents on host c fetch from b, each over a new
+    wire connection; the same fetches without the flood first, for their normal time."""
+    owner = _on(info, 1)
+    wire = ray.get(owner.agent.remote())["wire"]
+    baseline = _fresh_fetches(info, owner, 4, 100)
+    before = _auth_failures(owner)
+    with _Flood(wire, 200) as flood:
+        _wait("the flood is up", lambda: flood.opened >= 200)
+        flooded = _fresh_fetches(info, owner, 4, 200)
+    after = _auth_failures(owner)
+    return {
+        "baseline": baseline,
+        "flooded": flooded,
+        "opened": flood.opened,
+        "auth_failures": {
+            k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)
+        },
+        "owner_live_slots": ray.get(owner.agent.remote())["live_slots"],
+    }
+
+
+def tls(info: TestbedInfo) -> dict[str, Any]:
+    """Ray runs with RAY_USE_TLS=1: arrays put on host a are fetched on host b (the acquire
+    over the agents' wire, under TLS with Ray's certificates); then a peer that holds the
+    secret but speaks plain TCP to a's wire is closed at TLS."""
+    owner = _on(info, 0)
+    agent_a = ray.get(owner.agent.remote())
+    wire_calls, before = agent_a["wire_calls"], agent_a["metrics"]["velo_wire_auth_failures_total"]
+    result = _transfer_all(info, [("array", 300 << 10), ("array", 24 * MiB)])
+    plain = "answered"
+    with _dial(agent_a["wire"]) as sock:
+        sock.sendall(ClientHandshake(wire_secret(), os.urandom(32)).hello())
+        sock.settimeout(10)
+        try:
+            plain = "closed" if sock.recv(100) == b"" else "answered"
+        except ConnectionResetError:
+            plain = "closed"
+    after_a = ray.get(owner.agent.remote())
+    after = after_a["metrics"]["velo_wire_auth_failures_total"]
+    return {
+        **result,
+        "wire_tls": [agent_a["wire_tls"], ray.get(_on(info, 1).agent.remote())["wire_tls"]],
+        "wire_calls": after_a["wire_calls"] - wire_calls,
+        "plain_tcp": plain,
+        "auth_failures": {
+            k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)
+        },
+    }
+
+
 SCENARIOS: dict[str, Callable[[TestbedInfo], dict[str, Any]]] = {
-    f.__name__: f for f in (put_fetch, pipeline, kill_switch, unreachable, broadcast)
+    f.__name__: f
+    for f in (put_fetch, pipeline, kill_switch, unreachable, broadcast, outsider, silent_flood, tls)
 }
 
 
