@@ -10,6 +10,14 @@ from hypothesis import HealthCheck, settings
 
 SHM_DIR = "/dev/shm"
 
+# Ray's coming default for every cluster this suite starts (token auth: local clusters from
+# Ray 2.59, every cluster from 2.61), with one fresh token for the whole run. Set before any
+# test imports Ray: Ray reads its auth mode once, when it loads. The testbeds set their own.
+if "RAY_AUTH_MODE" not in os.environ:
+    from ray_velo.testbed.security import auth_env, new_token
+
+    os.environ.update(auth_env("token", new_token()))
+
 # Hypothesis times each example (200 ms deadline) and the generation of inputs (too_slow):
 # on a loaded 2-core CI machine a first draw took 1.9 s and failed a test that asserts
 # nothing about time. Correctness properties here never depend on speed.

@@ -36,8 +36,9 @@ class Peers(Protocol):
         ...
 
     def forget(self, link: OwnerLink) -> bool:
-        """Drop a dead owner's link; True if it was cached (a fresh lookup may find a new
-        incarnation on that node)."""
+        """Drop a dead owner's link; True if a fresh lookup may find a new incarnation on
+        that node (the link was this directory's: cached, or already dropped by a fetch
+        beside this one)."""
         ...
 
     def registered(self, node: str, worker_id: int) -> bool:
@@ -118,7 +119,10 @@ class PeerDirectory:
                 del self._links[link.node]
         if cached and isinstance(link, WireOwnerLink):
             link.close()
-        return cached
+        # Every link this directory hands out was cached: one no longer cached was dropped
+        # by a fetch that met the same dead owner first, and a fresh lookup may find the
+        # node's new agent all the same (answering False made that fetch fail OwnerDied).
+        return isinstance(link, RayOwnerLink | WireOwnerLink)
 
     def close(self) -> None:
         """Close every TCP link to an owner (the agent shuts down)."""
