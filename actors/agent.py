@@ -82,6 +82,22 @@ def _start_rdma(config: VeloConfig) -> tuple[UcxRdmaBackend | None, str]:
         return None, f"UCX failed to start: {exc}"
 
 
+def _warn_cleartext_payloads(config: VeloConfig, environ: Any = os.environ) -> bool:
+    """Under Ray's TLS, say once that UCX's TCP transport moves payload bytes in clear (as
+    Ray's own NIXL transport does), unless UCX is told to use no TCP. Returns whether it did."""
+    if environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+        return False
+    chosen = dict(config.rdma.ucx.options).get("TLS", environ.get("UCX_TLS", "all"))
+    if "tcp" not in chosen and not chosen.startswith("^") and chosen != "all":
+        return False
+    _log.warning(
+        "ray_velo: Ray runs with TLS, but a UCX GET over UCX's tcp transport moves payload "
+        "bytes in clear (as Ray's NIXL transport does). Where payloads must be encrypted in "
+        "transit, set VELO_RDMA_RENDEZVOUS_DISABLE=1: they then move in Ray's TLS calls"
+    )
+    return True
+
+
 def process_stats(shm_dir: str) -> dict[str, int]:
     """This process's open files, threads, resident memory (all, and anonymous: the heap)
     and the shared-memory segments it created, for the soak's growth checks (Linux /proc)."""
@@ -172,6 +188,8 @@ class RendezvousAgent:
         self.rdma_unavailable = "" if rdma is not None else "no RDMA backend given"
         if rdma is _START_UCX:
             rdma, self.rdma_unavailable = _start_rdma(config)
+            if rdma is not None and rdma_enabled:
+                _warn_cleartext_payloads(config)
         registrar = None if rdma is None else rdma.registrar
         memory = NodeMemory(config, worker_id, registrar, agent_metrics)
         core = AgentCore(

@@ -17,6 +17,7 @@ import pytest
 import ray_velo as rv
 from ray_velo.actors import find_agent
 from ray_velo.config import MiB
+from ray_velo.protocol.handshake import WIRE_AUTH_REASONS
 from ray_velo.metrics import FETCH_PATHS, PATH_LABELS, REGISTRATION_KINDS
 
 from .conftest import node_ids, restart_agent
@@ -59,6 +60,8 @@ def expected_series(node: str) -> set[str]:
     out |= {f"ray_velo_bytes_moved_total|node={node}|path={p}" for p in FETCH_PATHS}
     out |= {f"{g}|node={node}" for g in GAUGES}
     out |= {f"ray_velo_arenas|node={node}|pool={p}" for p in ("plain", "registered")}
+    out |= {f"ray_velo_wire_auth_failures_total|node={node}|reason={r}" for r in WIRE_AUTH_REASONS}
+    out.add(f"ray_velo_socket_auth_failures_total|node={node}")
     return out
 
 

@@ -7,14 +7,33 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ray_velo.errors import VeloError
+from ray_velo.protocol import (
+    AcquireRequest,
+    DataHandle,
+    DetachRequest,
+    LeaseRenewRequest,
+    MetadataRequest,
+    RdmaOffer,
+    RefRequest,
+    ReleaseRequest,
+    decode_acquire_response,
+    encode,
+)
 from ray_velo.protocol.ids import IdSequence
 from ray_velo.protocol.messages import TypeHeader
 from ray_velo.store import SlotStore
+from ray_velo.testing import AgentPair
 
 STAGINGS = 100_000
 WORKER = 0x1234_5678_9ABC_DEF1
@@ -107,3 +126,73 @@ def _inverse(ids: IdSequence, value: int) -> int:
         mixed = hashlib.blake2b(left.to_bytes(4, "big"), digest_size=4, key=key).digest()
         left, right = right ^ int.from_bytes(mixed, "big"), left
     return (left << 32) | right
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    """Every int and string inside a decoded answer (msgpack inside bytes included)."""
+    if isinstance(value, bytes):
+        try:
+            value = msgpack.unpackb(value, raw=False, strict_map_key=False)
+        except Exception:
+            return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(key)
+            yield from _leaves(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, int | str):
+        yield value
+
+
+def test_no_answer_names_a_handle_or_lease_the_peer_did_not_send(tmp_path: Path) -> None:
+    """Thirty live handles on an owner; a peer asks about each one with every handler it may
+    call (metadata, chunked and RDMA acquires, renew, ref, detach, release) and about handles
+    that do not exist. No answer or error carries another handle's slot id, in any form, nor
+    a lease id granted to another request."""
+    with AgentPair(tmp_path / "shm") as pair:
+        handles = [pair.put(np.full(70_000 + i, i % 251, dtype=np.uint8)) for i in range(30)]
+        service = pair.owner.owner
+        slots = {h.slot_id for h in handles}
+        granted: set[int] = set()
+
+        def ask(handle: DataHandle, method: str, message: Any) -> list[Any]:
+            try:
+                answer = service.handle(method, encode(message))
+            except VeloError as exc:
+                return [str(exc), *_leaves(exc.fields)]
+            return list(_leaves(answer))
+
+        for handle in [
+            *handles,
+            DataHandle(handles[0].worker_id, 12345),  # never staged
+            DataHandle(99, handles[0].slot_id),  # another incarnation's
+        ]:
+            seen: list[Any] = []
+            lease_ids = []
+            for offer in (None, RdmaOffer()):
+                answer = (
+                    service.handle("_rv_acquire", encode(AcquireRequest(handle, offer)))
+                    if handle in handles
+                    else None
+                )
+                if answer is not None:
+                    decoded = decode_acquire_response(answer)
+                    lease_ids.append(decoded.lease_id)
+                    seen += _leaves(answer)
+            seen += ask(handle, "_rv_metadata", MetadataRequest(handle))
+            seen += ask(handle, "_rv_ref", RefRequest(handle))
+            for lease_id in lease_ids or [424242]:
+                seen += ask(handle, "_rv_lease_renew", LeaseRenewRequest(handle, lease_id))
+                seen += ask(handle, "_rv_detach", DetachRequest(handle, lease_id))
+            seen += ask(handle, "_rv_release", ReleaseRequest(handle, 0))
+            assert len(seen) > 10 and (lease_ids or handle not in handles)
+            others = (slots | granted) - {handle.slot_id, *lease_ids}
+            forms = {*others, *(f"{i:016x}" for i in others), *(str(i) for i in others)}
+            for leaf in seen:
+                text = leaf if isinstance(leaf, str) else None
+                assert leaf not in others, f"an answer about {handle} names {leaf}"
+                assert text is None or not any(f in text for f in forms if isinstance(f, str)), text
+            granted |= set(lease_ids)
+        pair.validate()
