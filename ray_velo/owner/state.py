@@ -150,8 +150,18 @@ class OwnerState:
     """One agent's slots and buffers (see the module docstring). Not thread-safe: the agent
     holds one lock around every call."""
 
-    def __init__(self, worker_id: int, node: str = "", *, pull_grace_s: float = PULL_GRACE_S):
-        self.store = SlotStore(worker_id, node=node)
+    def __init__(
+        self,
+        worker_id: int,
+        node: str = "",
+        *,
+        pull_grace_s: float = PULL_GRACE_S,
+        id_key: bytes | None = None,
+    ) -> None:
+        """``id_key``: the key of the slot, lease and relay-lease ids (random by default; a
+        test passes one to replay a run)."""
+        key = secrets.token_bytes(ID_KEY_BYTES) if id_key is None else id_key
+        self.store = SlotStore(worker_id, node=node, id_key=key)
         self.node = node
         self.pull_grace_s = pull_grace_s
         self.holders: dict[tuple[str, int], str] = {}
@@ -176,7 +186,7 @@ class OwnerState:
         self._relay_fids: dict[int, DataHandle] = {}
         self._relayed: dict[int, tuple[Buffer, bool]] = {}
         # Relay lease ids reach other nodes' agents: as unguessable as the store's lease ids.
-        self._relay_leases = IdSequence(secrets.token_bytes(ID_KEY_BYTES), b"relay")
+        self._relay_leases = IdSequence(key, b"relay")
         #: Copies the owner counts: kept past their last reader until it says the handle ended.
         self._kept: set[DataHandle] = set()
         self._kept_idle: dict[DataHandle, float] = {}  # kept copy -> when it ends unread

@@ -97,7 +97,8 @@ class SlotStoreMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.store = SlotStore(WORKER, node="node-a")
+        # a fixed id key: hypothesis replays a run step for step, slot ids included
+        self.store = SlotStore(WORKER, node="node-a", id_key=bytes(16))
         self.now = 0.0
         self.slots: dict[int, ModelSlot] = {}  # live, by slot id
         self.model_leases: dict[int, ModelLease] = {}  # held, by lease id
