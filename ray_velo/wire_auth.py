@@ -15,6 +15,7 @@ at warning once per peer address).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -22,7 +23,7 @@ import socket
 import ssl
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from ray_velo.errors import ConfigError, WireAuthError
@@ -181,24 +182,13 @@ class WireAuth:
             OSError: no connection.
         """
         peer = f"{host}:{port}"
-        try:
+        with _handshake_failures(peer, lambda: None):
             reader, writer = await asyncio.open_connection(
                 host, port, ssl=self._client_ssl, server_hostname=host if self._client_ssl else None
             )
-        except ssl.SSLError as exc:  # before OSError: it is one
-            raise WireAuthError(reason="tls", peer=peer) from exc
-        try:
+        with _handshake_failures(peer, writer.close):
             _nodelay(writer.get_extra_info("socket"))
             await asyncio.wait_for(self._prove(reader, writer, peer), HANDSHAKE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            writer.close()
-            raise WireAuthError(reason="silent", peer=peer) from None
-        except WireAuthError as exc:
-            writer.close()
-            raise WireAuthError(reason=exc.fields["reason"], peer=peer) from None
-        except BaseException:
-            writer.close()
-            raise
         return reader, writer
 
     async def _prove(
@@ -218,7 +208,7 @@ class WireAuth:
         """
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-        try:
+        with _handshake_failures(address, lambda: sock.close()):  # the TLS socket once wrapped
             sock.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
             _nodelay(sock)
             if self._client_ssl is not None:
@@ -228,18 +218,6 @@ class WireAuth:
             sock.sendall(client.prove(_receive(sock, CHALLENGE_BYTES)))
             client.accepted(_receive(sock, ACCEPTED_BYTES))
             sock.settimeout(timeout_s)
-        except ssl.SSLError as exc:
-            sock.close()
-            raise WireAuthError(reason="tls", peer=address) from exc
-        except TimeoutError:
-            sock.close()
-            raise WireAuthError(reason="silent", peer=address) from None
-        except WireAuthError as exc:
-            sock.close()
-            raise WireAuthError(reason=exc.fields["reason"], peer=address) from None
-        except BaseException:
-            sock.close()
-            raise
         return sock
 
     # --- failures ----------------------------------------------------------------------
@@ -257,6 +235,27 @@ class WireAuth:
                 self._warned.popitem(last=False)
         if first:
             _log.warning("ray_velo: %s (further failures from %s are counted only)", error, address)
+
+
+@contextlib.contextmanager
+def _handshake_failures(peer: str, close: Callable[[], None]) -> Iterator[None]:
+    """A consumer's handshake with ``peer``: on any failure ``close()`` the connection, and
+    say what went wrong as a WireAuthError naming the peer (a failed TLS handshake ``tls``,
+    no answer in time ``silent``); a connection that could not be made stays an OSError."""
+    try:
+        yield
+    except ssl.SSLError as exc:  # before OSError: it is one
+        close()
+        raise WireAuthError(reason="tls", peer=peer) from exc
+    except (TimeoutError, asyncio.TimeoutError):
+        close()
+        raise WireAuthError(reason="silent", peer=peer) from None
+    except WireAuthError as exc:
+        close()
+        raise WireAuthError(reason=exc.fields["reason"], peer=peer) from None
+    except BaseException:
+        close()
+        raise
 
 
 def peer_address(writer: asyncio.StreamWriter) -> str:

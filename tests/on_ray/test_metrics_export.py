@@ -17,8 +17,8 @@ import pytest
 import ray_velo as rv
 from ray_velo.actors import find_agent
 from ray_velo.config import MiB
-from ray_velo.protocol.handshake import WIRE_AUTH_REASONS
 from ray_velo.metrics import FETCH_PATHS, PATH_LABELS, REGISTRATION_KINDS
+from ray_velo.protocol.handshake import WIRE_AUTH_REASONS
 
 from .conftest import node_ids, restart_agent
 

@@ -23,14 +23,15 @@ from ray_velo.testbed.netns import namespaces, process_running
 SCENARIOS = os.path.join(os.path.dirname(__file__), "scenarios.py")
 
 
-@pytest.fixture(scope="package")
-def testbed() -> Iterator[Testbed]:
+def built_testbed(**options: Any) -> Iterator[Testbed]:
+    """A testbed built with ``options`` for a fixture to yield, skipped (with the reason)
+    where namespaces cannot be made; after it nothing it started may be left: no namespace,
+    no process."""
     try:
         check_privileges()
     except TestbedUnavailable as exc:
         pytest.skip(f"SKIPPED (namespaces): {exc}")
-    # Three hosts: a and b for most tests, c for a broadcast (a to b and c).
-    bed = Testbed(hosts=3, link=None, object_store_bytes=1 << 30)
+    bed = Testbed(**options)
     bed.start()
     made = bed.network.made
     yield bed
@@ -39,6 +40,12 @@ def testbed() -> Iterator[Testbed]:
     assert not set(made) & set(namespaces()), "testbed namespaces left behind"
     alive = [pid for pid in pids if process_running(pid)]
     assert not alive, f"testbed processes outlived it: {alive}"
+
+
+@pytest.fixture(scope="package")
+def testbed() -> Iterator[Testbed]:
+    # Three hosts: a and b for most tests, c for a broadcast (a to b and c).
+    yield from built_testbed(hosts=3, link=None, object_store_bytes=1 << 30)
 
 
 def run_scenario(testbed: Testbed, name: str) -> dict[str, Any]:

@@ -21,7 +21,10 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: tests.*
 
 from ray_velo.protocol import (
     AcquireRequest,
@@ -37,11 +40,11 @@ from ray_velo.protocol import (
     WindowRequest,
     encode,
 )
-from ray_velo.protocol.frames import HEADER, WIRE_METHODS, encode_request
-from ray_velo.protocol.handshake import CHALLENGE_BYTES, MAGIC, NONCE_BYTES, ClientHandshake
+from ray_velo.protocol.frames import WIRE_METHODS, encode_request
+from ray_velo.protocol.handshake import NONCE_BYTES, ClientHandshake
+from tests.strangers import NOBODY, unix_socket_as, wire_outcome
 
 PREFIX = "OUTSIDER "
-NOBODY = 65534
 
 
 def requests(handle: DataHandle) -> dict[str, bytes]:
@@ -60,23 +63,6 @@ def requests(handle: DataHandle) -> dict[str, bytes]:
     }
 
 
-def outcome(sock: socket.socket, timeout_s: float = 10.0) -> str:
-    """What the agent sends back until it closes: ``closed`` (nothing, or only a handshake
-    challenge), ``answered`` (any answer frame), ``open`` (still open after the timeout)."""
-    sock.settimeout(timeout_s)
-    got = b""
-    try:
-        while chunk := sock.recv(65536):
-            got += chunk
-    except TimeoutError:
-        return "open"
-    except ConnectionResetError:
-        pass
-    if got.startswith(MAGIC):
-        got = got[CHALLENGE_BYTES:]
-    return "closed" if not got else f"answered ({len(got)} bytes, {got[: HEADER.size].hex()})"
-
-
 def connect(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     return socket.create_connection((host, int(port)), timeout=10)
@@ -88,7 +74,7 @@ def unauthenticated(address: str, messages: dict[str, bytes]) -> dict[str, str]:
     for index, method in enumerate(WIRE_METHODS):
         with connect(address) as sock:
             sock.sendall(encode_request(method, index + 1, messages[method]))
-            out[method] = outcome(sock)
+            out[method] = wire_outcome(sock, 10.0)
     return out
 
 
@@ -101,7 +87,7 @@ def after_handshake(address: str, messages: dict[str, bytes], opening: bytes) ->
             sock.sendall(opening + frames)
         except (BrokenPipeError, ConnectionResetError):
             return "closed"
-        return outcome(sock)
+        return wire_outcome(sock, 10.0)
 
 
 def half_open(address: str) -> dict[str, Any]:
@@ -109,42 +95,8 @@ def half_open(address: str) -> dict[str, Any]:
     with connect(address) as sock:
         sock.sendall(ClientHandshake(os.urandom(32), os.urandom(NONCE_BYTES)).hello())
         started = time.monotonic()
-        result = outcome(sock)
+        result = wire_outcome(sock, 10.0)
         return {"outcome": result, "closed_after_s": round(time.monotonic() - started, 2)}
-
-
-def unix_socket_as_nobody(path: str) -> str:
-    """Connect to the agent's socket as uid nobody (forked: no exec needed)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        result = b"?"
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(5)
-            try:
-                sock.connect(path)
-            except PermissionError:
-                result = b"denied"
-            else:
-                sock.sendall(b"\x00\x00\x00\x05hello")
-                try:
-                    result = b"closed" if sock.recv(100) == b"" else b"answered"
-                except ConnectionResetError:
-                    result = b"closed"
-        except BaseException as exc:
-            result = repr(exc).encode()[:200]
-        finally:
-            os.write(write_end, result)
-            os._exit(0)
-    os.close(write_end)
-    try:
-        return os.read(read_end, 300).decode()
-    finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
 
 
 def ray_access(address: str) -> str:
@@ -171,7 +123,7 @@ def main() -> int:
         "wrong_secret": after_handshake(spec["wire"], messages, own),
         "replayed": after_handshake(spec["wire"], messages, replay),
         "half_open": half_open(spec["wire"]),
-        "unix_socket_as_nobody": unix_socket_as_nobody(spec["socket"]),
+        "unix_socket_as_nobody": unix_socket_as(NOBODY, spec["socket"], b"\x00\x00\x00\x05hello"),
         "ray": ray_access(spec["head"]),
     }
     sys.stdout.write(PREFIX + json.dumps(result) + "\n")

@@ -9,23 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from ray_velo.errors import TestbedUnavailable
-from ray_velo.testbed import Testbed, check_privileges
-from ray_velo.testbed.netns import namespaces, process_running
+from ray_velo.testbed import Testbed
+from tests.twohost.conftest import built_testbed
 
 
 @pytest.fixture(scope="package")
 def tls_testbed() -> Iterator[Testbed]:
-    try:
-        check_privileges()
-    except TestbedUnavailable as exc:
-        pytest.skip(f"SKIPPED (namespaces): {exc}")
-    bed = Testbed(hosts=2, link=None, object_store_bytes=1 << 30, tls=True)
-    bed.start()
-    made = bed.network.made
-    yield bed
-    pids = bed.network.pids()
-    bed.close()
-    assert not set(made) & set(namespaces()), "testbed namespaces left behind"
-    alive = [pid for pid in pids if process_running(pid)]
-    assert not alive, f"testbed processes outlived it: {alive}"
+    yield from built_testbed(hosts=2, link=None, object_store_bytes=1 << 30, tls=True)

@@ -27,6 +27,7 @@ from ray_velo.local.channel import (
     remove_stale_sockets,
     socket_path,
 )
+from tests.strangers import NOBODY, unix_socket_as
 
 
 class Unpicklable(Exception):
@@ -216,45 +217,6 @@ def test_a_directory_too_deep_for_a_socket_address_falls_back() -> None:
     assert len(path.encode()) <= 100 and path.endswith("ray_velo_agent-42-00000000000000ab.sock")
 
 
-NOBODY = 65534
-
-
-def _as_nobody(path: str, frame: bytes) -> str:
-    """What a process of another user (uid 65534, nobody) meets at the socket ``path``:
-    "denied" (it cannot connect), "closed" (connected, sent ``frame``, closed unanswered) or
-    "answered". Forked: this interpreter lives under /root, which nobody cannot enter."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: only system calls, then _exit
-        outcome = b"?"
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(5)
-            try:
-                sock.connect(path)
-            except PermissionError:
-                outcome = b"denied"
-            else:
-                sock.sendall(frame)
-                try:
-                    outcome = b"closed" if sock.recv(100) == b"" else b"answered"
-                except ConnectionResetError:  # closed with our frame unread: a reset
-                    outcome = b"closed"
-        except BaseException as exc:
-            outcome = repr(exc).encode()[:200]
-        finally:
-            os.write(write_end, outcome)
-            os._exit(0)
-    os.close(write_end)
-    try:
-        return os.read(read_end, 300).decode()
-    finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
-
-
 @pytest.mark.skipif(
     os.geteuid() != 0, reason="SKIPPED (needs root): runs a process as another user (nobody)"
 )
@@ -280,9 +242,9 @@ def test_a_process_of_another_user_is_refused_unread() -> None:
     frame = struct.pack("!I", len(data)) + data
     try:
         NOTICED.clear()
-        assert _as_nobody(server.path, frame) == "denied"
+        assert unix_socket_as(NOBODY, server.path, frame) == "denied"
         os.chmod(server.path, 0o666)
-        assert _as_nobody(server.path, frame) == "closed"
+        assert unix_socket_as(NOBODY, server.path, frame) == "closed"
         assert channel.call("stage_reserve", ("own",), 5.0, never) == ("stage_reserve", "own")
         assert NOTICED == [("stage_reserve", "own")]
         assert refused == [1]

@@ -28,6 +28,7 @@ from ray_velo.protocol.frames import WIRE_METHODS, encode_request
 from ray_velo.protocol.handshake import CHALLENGE_BYTES, MAGIC, NONCE_BYTES, ClientHandshake
 from ray_velo.testbed.security import make_tls_files
 from ray_velo.wire_auth import TlsFiles, WireAuth
+from tests.strangers import wire_outcome
 
 SECRET = os.urandom(32)
 #: A short handshake bound, so the tests of silent peers finish quickly.
@@ -105,18 +106,8 @@ def raw(address: str) -> socket.socket:
 
 
 def closed_without_answer(sock: socket.socket, within_s: float) -> bool:
-    """Whether the owner closes ``sock`` within ``within_s`` without sending a frame (only a
-    handshake challenge may come first, never an answer)."""
-    sock.settimeout(within_s)
-    got = b""
-    try:
-        while chunk := sock.recv(4096):
-            got += chunk
-    except TimeoutError:
-        return False
-    except ConnectionResetError:
-        pass
-    return got in (b"",) or (len(got) == CHALLENGE_BYTES and got.startswith(MAGIC))
+    """Whether the owner closes ``sock`` within ``within_s`` with no answer frame."""
+    return wire_outcome(sock, within_s) == "closed"
 
 
 def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
