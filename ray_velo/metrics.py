@@ -556,13 +556,22 @@ class _SnapshotFamilies:
             device_staged=CounterMetricFamily(
                 "velo_device_staged", DEVICE_STAGED_HELP, labels=("reason", "node")
             ),
-            wire_auth_failures=CounterMetricFamily(
+            **cls._security_families(),
+        )
+
+    @staticmethod
+    def _security_families() -> dict[str, CounterMetricFamily]:
+        """The security series' families, empty."""
+        from prometheus_client.core import CounterMetricFamily
+
+        return {
+            "wire_auth_failures": CounterMetricFamily(
                 "velo_wire_auth_failures", WIRE_AUTH_HELP, labels=("reason", "node")
             ),
-            socket_auth_failures=CounterMetricFamily(
+            "socket_auth_failures": CounterMetricFamily(
                 "velo_socket_auth_failures", SOCKET_AUTH_HELP, labels=("node",)
             ),
-        )
+        }
 
     def add_snapshot(self, node: str, snap: dict[str, Any]) -> None:
         """One agent's snapshot (:meth:`AgentMetrics.snapshot`) as samples labelled ``node``."""

@@ -14,7 +14,7 @@ import ipaddress
 import os
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Final, Literal, TypedDict
+from typing import Any, Final, Literal, TypedDict
 
 from ray_velo.errors import TestbedUnavailable
 from ray_velo.wire_auth import TlsFiles
@@ -91,66 +91,68 @@ def make_tls_files(directory: str, addresses: Sequence[str]) -> list[TlsFiles]:
     """
     try:
         from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
     except ImportError as exc:
         raise TestbedUnavailable(reason=f"TLS certificates need `cryptography`: {exc}") from exc
 
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
-
-    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-
-    def write(name: str, data: bytes) -> str:
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return path
-
+    pem = serialization.Encoding.PEM
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ray_velo testbed CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    ca_path = write("ca.crt", ca.public_bytes(serialization.Encoding.PEM))
+    ca_extension = x509.BasicConstraints(ca=True, path_length=0)
+    ca = _certificate("ray_velo testbed CA", ca_key.public_key(), ca_key, ca_extension)
+    ca_path = _write(directory, "ca.crt", ca.public_bytes(pem))
     out = []
     for index, address in enumerate(addresses):
         key = ec.generate_private_key(ec.SECP256R1())
-        names = [
-            x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys((address, "127.0.0.1"))
-        ]
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(valid[0])
-            .not_valid_after(valid[1])
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .sign(ca_key, hashes.SHA256())
+        names = x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys((address, "127.0.0.1"))]
+        )
+        cert = _certificate(address, key.public_key(), ca_key, names, issuer="ray_velo testbed CA")
+        private = key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
         out.append(
             TlsFiles(
-                cert=write(f"node{index}.crt", cert.public_bytes(serialization.Encoding.PEM)),
-                key=write(f"node{index}.key", pem_key(key)),
+                cert=_write(directory, f"node{index}.crt", cert.public_bytes(pem)),
+                key=_write(directory, f"node{index}.key", private),
                 ca=ca_path,
             )
         )
     return out
+
+
+def _certificate(
+    subject: str, public_key: Any, signing_key: Any, extension: Any, issuer: str | None = None
+) -> Any:
+    """A certificate for ``subject`` valid from five minutes ago for a day, signed by
+    ``signing_key`` (self-signed when no ``issuer`` is named); ``extension`` is critical only
+    for a CA's basic constraints."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    def name(common: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name(subject))
+        .issuer_name(name(issuer or subject))
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(extension, critical=isinstance(extension, x509.BasicConstraints))
+        .sign(signing_key, hashes.SHA256())
+    )
+
+
+def _write(directory: str, name: str, data: bytes) -> str:
+    """``data`` in a new file of ``directory`` only this user can read; its path."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
