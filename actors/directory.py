@@ -12,10 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.experimental import internal_kv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_velo import nonblocking
+from ray_velo import _ray, nonblocking
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
@@ -113,7 +112,7 @@ class _RendezvousActor:
         self.worker_id = self.agent.worker_id
         self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
         self._threads_closed = False
-        internal_kv._internal_kv_put(
+        _ray.kv_put(
             _worker_key(self.worker_id), node_id.encode(), overwrite=True, namespace=_KV_NAMESPACE
         )
         self._channel: ChannelServer | None = None
@@ -150,10 +149,12 @@ class _RendezvousActor:
                 _log.warning("ray_velo: the agent's TCP wire failed; Ray calls", exc_info=True)
                 self._wire = None
                 return
-            internal_kv._internal_kv_put(
-                _wire_key(self.worker_id), self._wire.address.encode(), overwrite=True,
+            _ray.kv_put(
+                _wire_key(self.worker_id),
+                self._wire.address.encode(),
+                overwrite=True,
                 namespace=_KV_NAMESPACE,
-            )  # fmt: skip
+            )
             # Other nodes' agents reach our copies over the wire: we may keep and serve them.
             self.agent.core.serves_copies = os.environ.get(RELAY_DISABLE_ENV) != "1"
 
@@ -238,7 +239,7 @@ class _RendezvousActor:
             await channel.close(self._closed_error())
         wire, self._wire = self._wire, None
         if wire is not None:
-            internal_kv._internal_kv_del(_wire_key(self.worker_id), namespace=_KV_NAMESPACE)
+            _ray.kv_delete(_wire_key(self.worker_id), namespace=_KV_NAMESPACE)
             await wire.close()
         self._threads.shutdown(wait=False)
         self._threads_closed = True
@@ -298,11 +299,13 @@ def _load_wire_auth(on_refusal: Any) -> WireAuth | None:
 def wire_secret() -> bytes:
     """The cluster's wire secret: created once by the first agent that asks, in Ray's KV,
     which only processes Ray admitted can read (Ray's token guards it)."""
-    internal_kv._internal_kv_put(
-        _WIRE_SECRET_KEY, secrets.token_bytes(SECRET_BYTES), overwrite=False,
+    _ray.kv_put(
+        _WIRE_SECRET_KEY,
+        secrets.token_bytes(SECRET_BYTES),
+        overwrite=False,
         namespace=_KV_NAMESPACE,
-    )  # fmt: skip
-    value = internal_kv._internal_kv_get(_WIRE_SECRET_KEY, namespace=_KV_NAMESPACE)
+    )
+    value = _ray.kv_get(_WIRE_SECRET_KEY, namespace=_KV_NAMESPACE)
     if not isinstance(value, bytes) or len(value) != SECRET_BYTES:
         raise ConfigError(
             field="wire secret", value=None, rule="must be in Ray's KV (ray_velo namespace)"
@@ -321,30 +324,28 @@ def _wire_key(worker_id: int) -> bytes:
 def wire_address_of(worker_id: int) -> str | None:
     """``host:port`` where the agent that issued ``worker_id``'s handles serves its short
     handlers over TCP, or None (it serves them as Ray calls only)."""
-    value = internal_kv._internal_kv_get(_wire_key(worker_id), namespace=_KV_NAMESPACE)
+    value = _ray.kv_get(_wire_key(worker_id), namespace=_KV_NAMESPACE)
     return value.decode() if value else None
 
 
 def node_of_worker(worker_id: int) -> str | None:
     """The node whose agent issued handles with ``worker_id``, if known."""
-    value = internal_kv._internal_kv_get(_worker_key(worker_id), namespace=_KV_NAMESPACE)
+    value = _ray.kv_get(_worker_key(worker_id), namespace=_KV_NAMESPACE)
     return value.decode() if value else None
 
 
 def store_cluster_config(config: VeloConfig) -> None:
     """Publish the config so agents created later (new nodes) use the same one."""
-    internal_kv._internal_kv_put(
-        _CONFIG_KEY, pickle.dumps(config), overwrite=True, namespace=_KV_NAMESPACE
-    )
+    _ray.kv_put(_CONFIG_KEY, pickle.dumps(config), overwrite=True, namespace=_KV_NAMESPACE)
 
 
 def cluster_config_stored() -> bool:
     """Whether some driver published a config (``rv.init``) in this cluster."""
-    return bool(internal_kv._internal_kv_exists(_CONFIG_KEY, namespace=_KV_NAMESPACE))
+    return bool(_ray.kv_exists(_CONFIG_KEY, namespace=_KV_NAMESPACE))
 
 
 def load_cluster_config() -> VeloConfig:
-    value = internal_kv._internal_kv_get(_CONFIG_KEY, namespace=_KV_NAMESPACE)
+    value = _ray.kv_get(_CONFIG_KEY, namespace=_KV_NAMESPACE)
     if not value:
         return VeloConfig()
     config = pickle.loads(value)

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Collection
-from typing import Any, Protocol
+from typing import Protocol
 
 __all__ = [
     "FILTERED_LOOKUPS_MAX",
@@ -69,23 +69,9 @@ class RayJobTable:
         self.timeout_s = timeout_s
 
     def dead(self, jobs: Collection[str]) -> set[str]:
-        from ray._private.worker import global_worker
+        from ray_velo import _ray
 
-        worker: Any = global_worker
-        client = worker.gcs_client
-        skip = {"skip_submission_job_info_field": True, "skip_is_running_tasks_field": True}
-        infos: dict[Any, Any] = {}
-        if len(jobs) <= FILTERED_LOOKUPS_MAX:
-            for job in jobs:
-                infos.update(
-                    client.get_all_job_info(
-                        job_or_submission_id=job, timeout=self.timeout_s, **skip
-                    )
-                )
-        else:
-            infos = client.get_all_job_info(timeout=self.timeout_s, **skip)
-        ended = {job_id.hex() for job_id, info in infos.items() if info.is_dead}
-        return ended & set(jobs)
+        return _ray.dead_jobs(jobs, self.timeout_s, FILTERED_LOOKUPS_MAX)
 
 
 class JobWatch:

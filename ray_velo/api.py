@@ -25,7 +25,7 @@ import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
-from ray_velo import session
+from ray_velo import _ray, session
 from ray_velo.actors.directory import (
     NAMESPACE,
     agent_name,
@@ -106,9 +106,17 @@ def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
     ensure_agents(config)
     session.current()
     # Before the caller creates actors: Ray hands the registrations to actors created later.
-    from ray_velo.rdt import register_transports
+    if _ray.has_tensor_transport():
+        from ray_velo.rdt import register_transports
 
-    register_transports()
+        register_transports()
+    else:
+        _log.info(
+            "ray_velo: no VELO tensor transport on Ray %s (it needs Ray >= %s); put, fetch "
+            "and @ray_velo.transfer work as on any Ray",
+            _ray.version_text(),
+            _ray.version_text(_ray.RDT_MIN_VERSION),
+        )
 
 
 def is_initialized() -> bool:

@@ -190,13 +190,14 @@ def _connect(address: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ray_velo.ops import cluster_status
+    from ray_velo.ops import cluster_status, format_runtime, runtime_report
 
     _connect(args.address)
     statuses = cluster_status()
     if args.json:
         print(json.dumps(statuses, indent=2, sort_keys=True))
         return 0
+    print(format_runtime(runtime_report()))
     for status in statuses:
         if "error" in status:
             print(f"{status['node_id']}: {status['error']}")
@@ -217,6 +218,16 @@ def _status(args: argparse.Namespace) -> int:
                 f", refcount {slot['refcount']}, "
                 + ("no TTL" if ttl is None else f"TTL in {ttl:.0f} s")
             )
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """What this machine runs ray_velo with (Ray, its auth and TLS, UCX, torch) and which
+    features each allows; needs no cluster."""
+    from ray_velo.ops import format_runtime, runtime_report
+
+    report = runtime_report()
+    print(json.dumps(report, indent=2) if args.json else format_runtime(report))
     return 0
 
 
@@ -413,6 +424,16 @@ def _add_soak_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     soak.set_defaults(run=_soak)
 
 
+def _add_doctor_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``ray-velo doctor``: this machine's Ray, UCX and torch, and what each allows."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="which Ray (auth, TLS), UCX and torch ray_velo runs with, and what each allows",
+    )
+    doctor.add_argument("--json", action="store_true", help="as one JSON object")
+    doctor.set_defaults(run=_doctor)
+
+
 def _add_grafana_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``ray-velo grafana``: where to install the dashboard."""
     grafana = sub.add_parser("grafana", help="install the Grafana dashboard for Ray's Grafana")
@@ -433,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_cluster_commands(sub)
     _add_soak_command(sub)
     _add_grafana_command(sub)
+    _add_doctor_command(sub)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

@@ -31,6 +31,7 @@ __all__ = [
     "PayloadTooLarge",
     "PoolExhausted",
     "ProtocolError",
+    "RayFeatureUnavailable",
     "RegionDeregistered",
     "RegionError",
     "SharedMemoryTooSmall",
@@ -93,6 +94,18 @@ class UnsupportedPayload(VeloError, TypeError):
         return (
             f"cannot stage a {self.fields.get('type_name')}: pass a numpy array, a bytes-like "
             "object (bytes, bytearray, memoryview) or a torch tensor on the CPU or a CUDA device"
+        )
+
+
+class RayFeatureUnavailable(VeloError, RuntimeError):
+    """A ray_velo feature needs something this Ray does not have. Fields: ``feature``,
+    ``needs`` (the Ray version or API it needs), ``found`` (this Ray's version)."""
+
+    def _describe(self) -> str:
+        f = self.fields
+        return (
+            f"{f.get('feature')} needs {f.get('needs')}; this is Ray {f.get('found')}. "
+            "Upgrade Ray for it; everything else of ray_velo works on this Ray"
         )
 
 

@@ -233,27 +233,25 @@ class _RayExport:
         )
 
     def _prime(self) -> None:
-        """Every counter at 0 for each label value it can take: Ray's ``inc`` refuses 0, so
-        record through the metric's own ``_record`` (a private method: if a Ray release
-        removes it, the series appear on first use, as before)."""
-        record = getattr(self.path, "_record", None)
-        if record is None:
+        """Every counter at 0 for each label value it can take (Ray's ``inc`` refuses 0; where
+        this Ray cannot record a zero, the series appear on first use, as before)."""
+        from ray_velo._ray import record_zero
+
+        if not record_zero(self.reaped):
             _log.warning("ray_velo: this Ray cannot export zero counters; they appear on use")
             return
         for path, reason in PATH_LABELS:
-            self.path._record(0, {"path": path, "reason": reason})
-        self.reaped._record(0)
-        self.inline._record(0)
-        self.relayed._record(0)
+            record_zero(self.path, {"path": path, "reason": reason})
+        for counter in (self.inline, self.relayed, self.socket_auth_failures):
+            record_zero(counter)
         for reason in DEVICE_STAGING_REASONS:
-            self.device_staged._record(0, {"reason": reason})
+            record_zero(self.device_staged, {"reason": reason})
         for reason in WIRE_AUTH_REASONS:
-            self.wire_auth_failures._record(0, {"reason": reason})
-        self.socket_auth_failures._record(0)
+            record_zero(self.wire_auth_failures, {"reason": reason})
         for kind in REGISTRATION_KINDS:
-            self.registrations._record(0, {"kind": kind})
+            record_zero(self.registrations, {"kind": kind})
         for path in FETCH_PATHS:
-            self.bytes_moved._record(0, {"path": path})
+            record_zero(self.bytes_moved, {"path": path})
 
     def set_gauges(self, gauges: Gauges) -> None:
         self.registered.set(gauges.registered_bytes)

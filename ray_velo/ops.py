@@ -111,6 +111,69 @@ def cluster_status() -> list[dict[str, Any]]:
     return sorted(out, key=lambda s: str(s["node_id"]))
 
 
+def runtime_report() -> dict[str, Any]:
+    """What this process runs ray_velo with, and what each allows (``ray-velo doctor``, the
+    first line of ``ray-velo status``): Ray (and its auth and TLS settings), UCX, torch."""
+    import os
+    import sys
+
+    import ray
+
+    import ray_velo
+    from ray_velo import _ray
+    from ray_velo.ucx.loader import ucx_available
+
+    ucx_ok, ucx_text = ucx_available()
+    try:
+        import torch
+
+        torch_version: str | None = str(torch.__version__)
+    except ImportError:
+        torch_version = None
+    transports = _ray.has_tensor_transport()
+    rdt_needs = f"needs Ray >= {_ray.version_text(_ray.RDT_MIN_VERSION)}"
+    tls = os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+    return {
+        "ray_velo": ray_velo.__version__,
+        "python": sys.version.split()[0],
+        "ray": ray.__version__,
+        "ray_checked": list(_ray.CHECKED_VERSIONS),
+        "auth": _ray.auth_mode(),
+        "tls": tls,
+        "ucx": ucx_text if ucx_ok else f"unavailable: {ucx_text}",
+        "torch": torch_version,
+        "features": {
+            "put/fetch": "yes",
+            "rdma": "yes" if ucx_ok else "no: chunked path only (no usable UCX)",
+            "@transfer": "yes",
+            "VELO_NUMPY transport": "yes" if transports else f"no: {rdt_needs}",
+            "VELO transport (torch)": (
+                f"no: {rdt_needs}"
+                if not transports
+                else "yes"
+                if torch_version
+                else "no: needs torch"
+            ),
+            "wire under TLS": (
+                ("yes" if sys.version_info >= (3, 11) else "no: needs Python 3.11")
+                if tls
+                else "n/a (Ray runs without TLS)"
+            ),
+        },
+    }
+
+
+def format_runtime(report: dict[str, Any]) -> str:
+    """:func:`runtime_report` as two lines."""
+    head = (
+        f"ray_velo {report['ray_velo']} on Ray {report['ray']} (auth {report['auth']}, TLS "
+        f"{'on' if report['tls'] else 'off'}), {report['ucx']}, torch {report['torch'] or 'none'}"
+        f", Python {report['python']}"
+    )
+    features = ", ".join(f"{name}: {allowed}" for name, allowed in report["features"].items())
+    return f"{head}\n  features: {features}"
+
+
 def default_shm_dir() -> str:
     """The cluster's configured shm directory when a driver is connected, else /dev/shm."""
     try:

@@ -47,10 +47,8 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.experimental import TensorTransportManager, TensorTransportMetadata
-from ray.experimental.rdt.tensor_transport_manager import CommunicatorMetadata
 
-from ray_velo import session
+from ray_velo import _ray, session
 from ray_velo.errors import TransferError, UnsupportedPayload
 from ray_velo.payload import host_tensor, to_fetch_device
 from ray_velo.protocol import DataHandle
@@ -69,9 +67,13 @@ VELO_NUMPY = "VELO_NUMPY"
 
 _log = logging.getLogger(__name__)
 
+#: Ray's tensor-transport API: importing this module on a Ray without it raises
+#: RayFeatureUnavailable, naming the Ray version the transports need.
+_RDT = _ray.rdt_api()
+
 
 @dataclass
-class VeloTransportMetadata(TensorTransportMetadata):
+class VeloTransportMetadata(_RDT.metadata):  # type: ignore[name-defined,misc]
     """What a receiver needs: one handle per tensor (None for an empty one), in order."""
 
     handles: list[DataHandle | None] = field(default_factory=list)
@@ -80,31 +82,11 @@ class VeloTransportMetadata(TensorTransportMetadata):
 
 
 @dataclass
-class VeloCommunicatorMetadata(CommunicatorMetadata):
+class VeloCommunicatorMetadata(_RDT.communicator_metadata):  # type: ignore[name-defined,misc]
     """One-sided: the receiver needs nothing but the handles."""
 
 
-def _inside_ray_callback() -> bool:
-    """Whether Ray's queued-transfer callback called us (rather than a caller's
-    ``.remote()``, where an error reaches the caller)."""
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "set_tensor_transport_metadata_and_trigger_queued_operations":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _rdt_fetch_timeout_s() -> float | None:
-    try:
-        from ray._private import ray_constants
-
-        return float(ray_constants.RDT_FETCH_FAIL_TIMEOUT_SECONDS)
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return None
-
-
-class VeloNumpyTransport(TensorTransportManager):
+class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
     """``tensor_transport="VELO_NUMPY"``: numpy arrays through the node agents."""
 
     backend = VELO_NUMPY
@@ -138,8 +120,7 @@ class VeloNumpyTransport(TensorTransportManager):
     def get_communicator_metadata(
         self, src_actor: Any, dst_actor: Any, backend: str | None = None
     ) -> VeloCommunicatorMetadata:
-        enabled = getattr(dst_actor, "_ray_enable_tensor_transport", None)
-        if dst_actor is not None and enabled is not True:
+        if dst_actor is not None and not _ray.tensor_transport_enabled(dst_actor):
             # Ray delivers the tensors through the receiver's "_ray_system" concurrency
             # group, which only such actors have: without it the receive waits out Ray's
             # RDT fetch timeout (60 s) instead of failing now.
@@ -149,7 +130,7 @@ class VeloNumpyTransport(TensorTransportManager):
                 "time out. Declare it with @ray.remote(enable_tensor_transport=True), or "
                 "hand it the value through Ray's object store instead."
             )
-            if _inside_ray_callback():
+            if _ray.in_rdt_queued_transfer_callback():
                 # A transfer Ray queued until the object existed, run from its callback:
                 # the caller's .remote() has returned already, nobody would see a raise.
                 _log.error("ray_velo: %s", message)
@@ -185,14 +166,14 @@ class VeloNumpyTransport(TensorTransportManager):
             tensor_meta=tensor_meta,
             tensor_device=device,
             handles=handles,
-            fetch_timeout_s=_rdt_fetch_timeout_s(),
+            fetch_timeout_s=_ray.rdt_fetch_timeout_s(),
         )
 
     def recv_multiple_tensors(
         self,
         obj_id: str,
-        tensor_transport_metadata: TensorTransportMetadata,
-        communicator_metadata: CommunicatorMetadata,
+        tensor_transport_metadata: Any,
+        communicator_metadata: Any,
         target_buffers: list[Any] | None = None,
     ) -> list[Any]:
         meta = tensor_transport_metadata
@@ -225,15 +206,13 @@ class VeloNumpyTransport(TensorTransportManager):
     def send_multiple_tensors(
         self,
         tensors: list[Any],
-        tensor_transport_metadata: TensorTransportMetadata,
-        communicator_metadata: CommunicatorMetadata,
+        tensor_transport_metadata: Any,
+        communicator_metadata: Any,
     ) -> None:
         # One-sided: Ray never calls this for such a transport.
         raise TransferError(f"{self.backend} is one-sided: the receiver fetches, nothing sends")
 
-    def garbage_collect(
-        self, obj_id: str, tensor_transport_meta: TensorTransportMetadata, tensors: list[Any]
-    ) -> None:
+    def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
         """Ray freed the ObjectRef: end its handles (views handed out keep their bytes)."""
         for handle in getattr(tensor_transport_meta, "handles", []):
             if handle is not None:
@@ -241,7 +220,7 @@ class VeloNumpyTransport(TensorTransportManager):
         with self._lock:
             self._aborted.discard(obj_id)
 
-    def abort_transport(self, obj_id: str, communicator_metadata: CommunicatorMetadata) -> None:
+    def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
         """Ray gave up on a transfer: a receive that has not started refuses it. One in
         progress ends by its own bound (Ray's RDT fetch timeout)."""
         with self._lock:
@@ -413,27 +392,26 @@ def register_transports(*, import_torch: bool = True) -> list[str]:
     registrations to the actors a process creates afterwards).
 
     ``import ray_velo`` calls it when Ray is already imported (``VELO`` only if torch is
-    too), and :func:`ray_velo.init` calls it; call it yourself when a class naming
-    ``tensor_transport="VELO"`` is defined before either. Returns the names registered now;
-    idempotent; a Ray without ``register_tensor_transport`` registers nothing.
+    too), and :func:`ray_velo.init` calls it where Ray has the API; call it yourself when a
+    class naming ``tensor_transport="VELO"`` is defined before either. Returns the names
+    registered now; idempotent.
 
     Args:
         import_torch: import torch to register ``VELO`` when it is installed but not yet
             imported.
+
+    Raises:
+        RayFeatureUnavailable: this Ray has no tensor-transport API (raised when this module
+            is imported: ``rv.register_transports`` names the Ray version it needs).
     """
-    try:
-        from ray.experimental import register_tensor_transport
-        from ray.experimental.rdt.util import transport_manager_info
-    except ImportError:
-        return []
     wanted: list[tuple[str, type[VeloNumpyTransport]]] = [(VELO_NUMPY, VeloNumpyTransport)]
     if "torch" in sys.modules or (import_torch and importlib.util.find_spec("torch")):
         wanted.append((VELO, VeloTensorTransport))
     done = []
     for name, manager in wanted:
-        if name in transport_manager_info:
+        if name in _RDT.registered:
             continue
-        register_tensor_transport(name, list(manager.devices), manager, manager.data_type())
+        _RDT.register(name, list(manager.devices), manager, manager.data_type())
         done.append(name)
     return done
 
@@ -464,31 +442,20 @@ def _torch_zero_copy_reducer(value: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(value, torch.Tensor):
         return None
-    context = _serialization_context()
-    if not getattr(context, "_zero_copy_tensors_enabled", False):
-        return None
-    from ray._private import tensor_serialization_utils
-
-    return tensor_serialization_utils.zero_copy_tensors_reducer
-
-
-def _serialization_context() -> Any:
-    return ray._private.worker.global_worker.get_serialization_context()  # type: ignore[no-untyped-call]
+    return _ray.torch_zero_copy_reducer()
 
 
 def _serialize(value: Any) -> Any:
-    context = _serialization_context()
-    local = context._thread_local
-    if getattr(local, "use_external_transport", False):
-        local.rdt_tensors.append(value)  # an RDT return: Ray moves it out of band
-        return len(local.rdt_tensors) - 1
+    pending = _ray.rdt_outgoing_tensors()
+    if pending is not None:  # an RDT return: Ray moves it out of band
+        pending.append(value)
+        return len(pending) - 1
     return _Ordinary(value)
 
 
 def _deserialize(value: Any) -> Any:
     if isinstance(value, int):
-        context = _serialization_context()
-        return context._thread_local.rdt_tensors[value]
+        return _ray.rdt_incoming_tensor(value)
     if isinstance(value, bytes):  # pickled in band by Ray's own fallback
         return pickle.loads(value)
     return value
@@ -503,9 +470,8 @@ def _keep_ordinary_returns_zero_copy(data_type: type) -> None:
     with _zero_copy_lock:
         if data_type in _zero_copy_types:
             return
-        context = _serialization_context()
-        registered = getattr(context, "_rdt_custom_serializer_registered", None)
-        if registered is None or not hasattr(context, "_thread_local"):
+        registered = _ray.rdt_serializer_table()
+        if registered is None:
             _log.info("ray_velo: this Ray's RDT serializer is kept for %s", data_type)
             _zero_copy_types.add(data_type)
             return

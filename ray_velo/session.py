@@ -30,6 +30,7 @@ import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
+from ray_velo import _ray
 from ray_velo.calls import clear_ray_frames, wait
 from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
@@ -226,13 +227,7 @@ def staging_job() -> tuple[str, bool]:
         job = ray.get_runtime_context().get_job_id()
     except Exception:  # Ray not initialized (ray_velo.testing): no job to follow
         return "", False
-    try:
-        worker: Any = ray._private.worker.global_worker
-        core_worker = worker.core_worker
-        in_detached = not core_worker.get_current_root_detached_actor_id().is_nil()
-    except Exception:  # a Ray without the call: the data follows the job
-        in_detached = False
-    return job, in_detached
+    return job, _ray.in_detached_actor()
 
 
 def stage(

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from ray_velo import _ray
 from ray_velo.staging.resolution import Resolution, discard_tree, stage_tree
 from ray_velo.staging.tree import TransferOptions
 
@@ -180,13 +181,13 @@ class TransferFunction:
     def __init__(self, remote_function: Any, options: TransferOptions, *, _inner: Any = None):
         self._options = options
         self._source = remote_function
+        raw, defaults = _ray.remote_function_parts(remote_function)
         if _inner is None:
-            raw = remote_function._function
-            defaults = dict(remote_function._default_options)
             body = _callee(raw, options, retried_on_error=bool(defaults.get("retry_exceptions")))
             _inner = ray.remote(**defaults)(body) if defaults else ray.remote(body)
         self._inner = _inner
-        functools.update_wrapper(self, remote_function._function)
+        self._name = raw.__qualname__
+        functools.update_wrapper(self, raw)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _stage_call(args, kwargs, self._options)
@@ -196,11 +197,9 @@ class TransferFunction:
         if "retry_exceptions" in ray_options:
             # whether a failed body's arguments must survive for a retry is decided when
             # the body is built: rebuild it for the new option
-            source_options = dict(self._source._default_options)
+            raw, source_options = _ray.remote_function_parts(self._source)
             source_options.update(ray_options)
-            rebuilt = TransferFunction(
-                ray.remote(**source_options)(self._source._function), self._options
-            )
+            rebuilt = TransferFunction(ray.remote(**source_options)(raw), self._options)
             rebuilt._source = self._source
             return rebuilt
         return TransferFunction(
@@ -208,10 +207,7 @@ class TransferFunction:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
-            f"remote function {self._source._function.__qualname__} cannot be called "
-            "directly: use .remote()"
-        )
+        raise TypeError(f"remote function {self._name} cannot be called directly: use .remote()")
 
 
 class _TransferActorMethod:

@@ -57,6 +57,11 @@ FIELDS: dict[str, dict[str, Any]] = {
         "requested_bytes": 256 << 20,
     },
     "StagingError": {"reason": "zero-length payload"},
+    "RayFeatureUnavailable": {
+        "feature": "the VELO tensor transport",
+        "needs": "Ray >= 2.55.0",
+        "found": "2.40.0",
+    },
     "WireAuthError": {"reason": "bad_proof", "peer": "10.0.0.7:41234"},
     "TestbedError": {"step": "ray start on host b", "detail": "exit 1: port in use"},
     "TestbedUnavailable": {"reason": "this process runs as uid 1000, not root"},
