@@ -73,7 +73,8 @@ def cleanup_cluster(shm_dir: str) -> list[NodeCleanup]:
     calls: dict[str, tuple[str, Any]] = {}
     for node_id in alive_node_ids():
         try:
-            calls[node_id] = ("agent", find_agent(node_id).cleanup.remote())
+            agent = find_agent(node_id)  # held: Ray 2.40's method keeps only a weak reference
+            calls[node_id] = ("agent", agent.cleanup.remote())
         except ValueError:
             strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
             calls[node_id] = (
@@ -100,7 +101,8 @@ def cluster_status() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for node_id in alive_node_ids():
         try:
-            calls[node_id] = find_agent(node_id).status.remote()
+            agent = find_agent(node_id)  # held: Ray 2.40's method keeps only a weak reference
+            calls[node_id] = agent.status.remote()
         except ValueError:
             out.append({"node_id": node_id, "error": "no ray_velo agent on this node"})
     for node_id, ref in calls.items():

@@ -225,7 +225,8 @@ def _device_staged() -> dict[str, int]:
 
     total: dict[str, int] = {}
     for node in alive_node_ids():
-        info = ray.get(ensure_agent(node).info.remote())
+        agent = ensure_agent(node)  # held: Ray 2.40's method keeps only a weak reference
+        info = ray.get(agent.info.remote())
         for reason, n in info["metrics"].get("velo_device_staged_total", {}).items():
             total[reason] = total.get(reason, 0) + n
     return total
