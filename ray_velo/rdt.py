@@ -1,6 +1,6 @@
 """ray_velo as a Ray Direct Transport: ``@ray.method(tensor_transport="VELO")``.
 
-Ray (2.5x and later) lets a library move an actor method's returned tensors out of band
+Ray (2.55 and later) lets a library move an actor method's returned tensors out of band
 (``ray.experimental.register_tensor_transport``). ``rv.init()`` registers two one-sided
 transports backed by the node agents:
 
