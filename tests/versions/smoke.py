@@ -63,6 +63,13 @@ def wait_for(what: str, ready: Callable[[], bool], timeout_s: float = 60.0) -> N
 # --- the features ------------------------------------------------------------------------
 
 
+@ray.remote(**ON_A)
+def put_on_a(nbytes: int) -> rv.DataHandle:
+    # staged by a task on node a: the driver's node is whichever raylet of this host it
+    # attached to (Ray 2.50 picks either), and a fetch there is same-node
+    return rv.put(pattern(nbytes))
+
+
 @ray.remote(**ON_B)
 def crc_on_b(handle: rv.DataHandle) -> int:
     return crc(rv.fetch(handle))
@@ -70,8 +77,8 @@ def crc_on_b(handle: rv.DataHandle) -> int:
 
 def put_fetch() -> str:
     before = agent_of("node_b")["metrics"]["velo_rendezvous_rdma_path_total"]
-    payload = pattern(8 * MiB)
-    assert ray.get(crc_on_b.remote(rv.put(payload))) == crc(payload), "bytes differ"
+    handle = ray.get(put_on_a.remote(8 * MiB))
+    assert ray.get(crc_on_b.remote(handle)) == crc(pattern(8 * MiB)), "bytes differ"
     after = agent_of("node_b")["metrics"]["velo_rendezvous_rdma_path_total"]
     moved = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
     assert moved == {"rdma/ok": 1}, f"consumer path decisions {moved}"
@@ -177,22 +184,36 @@ def status_json() -> str:
 
 
 JOB = """
-import numpy as np, ray, ray_velo as rv
+import sys, numpy as np, ray, ray_velo as rv
 ray.init(address="auto", log_to_driver=False)
 handle = rv.put(np.ones(4 << 20, dtype=np.uint8))
 print("STAGED", flush=True)
+sys.stdin.read()  # until the smoke has seen the slot: then the job ends, as a script does
 """
 
 
+def live_slots() -> int:
+    return sum(agent_of(node)["live_slots"] for node in ("node_a", "node_b"))
+
+
 def job_end() -> str:
-    before = agent_of("node_a")["live_slots"]
+    before = live_slots()
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    done = subprocess.run(
-        [sys.executable, "-c", JOB], env=env, capture_output=True, text=True, timeout=180,
-        check=False,
+    job = subprocess.Popen(
+        [sys.executable, "-c", JOB], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert "STAGED" in done.stdout, done.stderr[-1500:]
-    wait_for("the ended job's slot freed", lambda: agent_of("node_a")["live_slots"] == before)
+    try:
+        assert job.stdout is not None and job.stdin is not None
+        assert job.stdout.readline().strip() == "STAGED", job.stderr and job.stderr.read()[-1500:]
+        wait_for("the job's slot staged", lambda: live_slots() == before + 1)
+        job.stdin.close()
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    wait_for("the ended job's slot freed", lambda: live_slots() == before)
     return "ok"
 
 
