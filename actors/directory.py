@@ -19,6 +19,7 @@ from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
+from ray_velo.entry import BLOCKING, QUICK
 from ray_velo.errors import ConfigError, StagingError
 from ray_velo.local.channel import (
     DISABLE_ENV,
@@ -28,7 +29,6 @@ from ray_velo.local.channel import (
 )
 from ray_velo.owner.relays import RELAY_DISABLE_ENV
 from ray_velo.owner.wire import WIRE_DISABLE_ENV, WireServer
-from ray_velo.protocol.frames import WIRE_METHODS
 from ray_velo.protocol.handshake import SECRET_BYTES
 from ray_velo.wire_auth import WireAuth
 
@@ -61,32 +61,11 @@ AGENT_THREADS = 64
 AGENT_MAX_CONCURRENCY = 4096
 #: The agent's Ray entry points that are a short change of its state: they run on its event
 #: loop, and again on a thread only if they reach a step that may block (see
-#: :mod:`ray_velo.nonblocking`). Each saves a thread hop each way on the transfer's path.
-_QUICK_METHODS = (
-    "stage_reserve",
-    "stage_commit",
-    "stage_abort",
-    "local_acquire",
-    "local_end",
-    "ucx_address",
-    *WIRE_METHODS,  # the owner's short handlers: every one but _rv_pull
-)
-#: The agent's Ray entry points that run on its threads: they may wait on peers, map or
-#: copy (everything but fetch_remote, which is a coroutine, and the quick ones).
-_BLOCKING_METHODS = (
-    "inject_fault",
-    "_rv_pull",
-    "region_alloc",
-    "region_stage",
-    "region_unregister",
-    "region_deregistered",
-    "claim_end",
-    "release_quietly",
-    "route",
-    "register_peers",
-    "cleanup",
-    "status",
-)
+#: :mod:`ray_velo.nonblocking`). Each saves a thread hop each way on the transfer's path. The
+#: others run on its threads: they may wait on peers, map or copy. Declared in ray_velo.entry
+#: (the coroutines there are the actor's own methods below).
+_QUICK_METHODS = QUICK
+_BLOCKING_METHODS = BLOCKING
 
 
 def agent_name(node_id: str) -> str:

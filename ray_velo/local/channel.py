@@ -33,6 +33,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ray_velo.entry import CHANNEL_CALLS, CHANNEL_NOTICES, ORDERED_NOTICES
 from ray_velo.errors import AgentDied, VeloError
 from ray_velo.memory.arena import pid_alive
 
@@ -47,17 +48,15 @@ __all__ = [
     "socket_path",
 ]
 
-#: The agent calls that travel over the socket: the ones a producer or reader waits for.
-CHANNEL_METHODS = frozenset({"stage_reserve", "local_acquire", "fetch_remote"})
-#: The calls nobody waits for, sent over the socket too: a Ray call's submission costs the
-#: sender about as much as a socket round trip, and a commit is on the producer's path.
-NOTICE_METHODS = frozenset(
-    {"stage_commit", "stage_abort", "local_end", "claim_end", "release_quietly"}
-)
-#: Notices that are short changes of the agent's state: run in order with the calls of
-#: their connection (a put's commit lands before the same thread's next fetch of it). The
-#: others (they may wait on a peer) run beside them.
-_ORDERED_NOTICES = frozenset({"stage_commit", "stage_abort", "local_end"})
+#: The agent calls that travel over the socket: the ones a producer or reader waits for;
+#: the calls nobody waits for, sent over the socket too (a Ray call's submission costs the
+#: sender about as much as a socket round trip, and a commit is on the producer's path); and
+#: of those the short changes of the agent's state, run in order with the calls of their
+#: connection (a put's commit lands before the same thread's next fetch of it; the others may
+#: wait on a peer, and run beside them). Declared in ray_velo.entry.
+CHANNEL_METHODS = CHANNEL_CALLS
+NOTICE_METHODS = CHANNEL_NOTICES
+_ORDERED_NOTICES = ORDERED_NOTICES
 #: Set to 1 in an agent's environment to serve no socket (every call is a Ray call).
 DISABLE_ENV = "VELO_LOCAL_SOCKET_DISABLE"
 _log = logging.getLogger(__name__)

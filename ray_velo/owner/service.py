@@ -18,6 +18,7 @@ import numpy as np
 
 from ray_velo import nonblocking
 from ray_velo.core import AgentCore
+from ray_velo.entry import OWNER_HANDLERS
 from ray_velo.errors import ProtocolError, VeloError
 from ray_velo.memory.windows import WindowSet
 from ray_velo.owner.relays import RELAY_MIN_BYTES
@@ -45,18 +46,8 @@ from ray_velo.store import Slot
 
 __all__ = ["HANDLERS", "OwnerService"]
 
-HANDLERS = frozenset(
-    {
-        "_rv_metadata",
-        "_rv_acquire",
-        "_rv_pull",
-        "_rv_ref",
-        "_rv_detach",
-        "_rv_release",
-        "_rv_lease_renew",
-        "_rv_window",
-    }
-)
+#: The owner's handlers (declared in ray_velo.entry).
+HANDLERS = OWNER_HANDLERS
 
 
 class OwnerService:

@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 
 from ray_velo import errors
+from ray_velo.entry import WIRE_METHODS as _WIRE_METHODS
 from ray_velo.errors import ProtocolError, VeloError
 
 __all__ = [
@@ -33,21 +34,9 @@ __all__ = [
     "encode_request",
 ]
 
-#: The handlers agents call over TCP (``_rv_pull`` moves chunks: it stays a Ray call).
-WIRE_METHODS = (
-    "_rv_metadata",
-    "_rv_acquire",
-    "_rv_ref",
-    "_rv_detach",
-    "_rv_release",
-    "_rv_lease_renew",
-    # copies and relays (appended: an older agent refuses them as unknown, never misreads)
-    "_rv_copy",
-    "_rv_relay",
-    "_rv_relay_end",
-    # windows of plain slots (appended, as above)
-    "_rv_window",
-)
+#: The handlers agents call over TCP, in wire-number order (declared in ray_velo.entry;
+#: ``_rv_pull`` moves chunks: it stays a Ray call).
+WIRE_METHODS = _WIRE_METHODS
 _METHOD_INDEX = {name: index for index, name in enumerate(WIRE_METHODS)}
 #: After the length: the method (request) or status (answer), and the call id.
 HEADER = struct.Struct("!IBQ")

@@ -1,0 +1,114 @@
+"""The agent's entry points, each declared once.
+
+Every call a process or another agent can make to a node's agent is one :class:`Entry`: its
+name (the agent method that serves it), where it runs (the agent's event loop for a short
+change of state, its threads for anything that may wait, or a coroutine of the actor), which
+carriers take it besides Ray (the node's Unix socket, as a call or a notice; the agents' TCP
+wire, under a number), and whether it is one of the owner's handlers. The actor's methods,
+the wire's method numbers, the socket's dispatch and the owner's handler set are all derived
+from :data:`ENTRIES`: a new entry point is one line here and one method on the agent.
+
+Wire numbers are the wire format: an entry keeps its number forever and a new one takes the
+next free number, so an older agent refuses a newer method as unknown and never misreads it.
+Pure data: no I/O, no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "BLOCKING",
+    "CHANNEL_CALLS",
+    "CHANNEL_NOTICES",
+    "ENTRIES",
+    "ORDERED_NOTICES",
+    "OWNER_HANDLERS",
+    "QUICK",
+    "WIRE_METHODS",
+    "Entry",
+]
+
+Runs = Literal["loop", "threads", "coroutine"]
+Socket = Literal["", "call", "notice", "ordered"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry point of the agent.
+
+    ``runs``: ``loop`` (a short change of the agent's state, run on its event loop and moved
+    to its threads only if it reaches a step that may block), ``threads`` (it may wait on
+    peers, map or copy) or ``coroutine`` (an async method of the actor itself).
+    ``socket``: how the node's Unix socket carries it: ``call`` (the caller waits for the
+    answer), ``notice`` (nobody waits), ``ordered`` (a notice run in order with the calls of its
+    connection), or not at all. ``wire``: its number on the agents' TCP wire, or None.
+    ``owner``: one of the owner's handlers (a peer's acquire, release...).
+    """
+
+    name: str
+    runs: Runs
+    socket: Socket = ""
+    wire: int | None = None
+    owner: bool = False
+
+
+ENTRIES: tuple[Entry, ...] = (
+    # a producer on the node: reserve shared memory, commit it as a slot, or give it back
+    Entry("stage_reserve", "loop", socket="call"),
+    Entry("stage_commit", "loop", socket="ordered"),
+    Entry("stage_abort", "loop", socket="ordered"),
+    # a reader on the node: a lease on a slot it reads in place, and its end
+    Entry("local_acquire", "loop", socket="call"),
+    Entry("local_end", "loop", socket="ordered"),
+    # a process's fetch from another node (its waits on the owner hold no thread)
+    Entry("fetch_remote", "coroutine", socket="call"),
+    # a consuming call's claims, and a release nobody waits for
+    Entry("claim_end", "threads", socket="notice"),
+    Entry("release_quietly", "threads", socket="notice"),
+    # the owner's handlers (the spec's seven and the windows), as other agents call them
+    Entry("_rv_metadata", "loop", wire=0, owner=True),
+    Entry("_rv_acquire", "loop", wire=1, owner=True),
+    Entry("_rv_ref", "loop", wire=2, owner=True),
+    Entry("_rv_detach", "loop", wire=3, owner=True),
+    Entry("_rv_release", "loop", wire=4, owner=True),
+    Entry("_rv_lease_renew", "loop", wire=5, owner=True),
+    Entry("_rv_pull", "threads", owner=True),  # moves chunks: stays a Ray call
+    Entry("_rv_window", "loop", wire=9, owner=True),
+    # node-local copies read by other nodes (broadcast)
+    Entry("_rv_copy", "loop", wire=6),
+    Entry("_rv_relay", "loop", wire=7),
+    Entry("_rv_relay_end", "loop", wire=8),
+    # caller-owned regions
+    Entry("region_alloc", "threads"),
+    Entry("region_stage", "threads"),
+    Entry("region_unregister", "threads"),
+    Entry("region_deregistered", "threads"),
+    # routing, peers, operation
+    Entry("route", "threads"),
+    Entry("ucx_address", "loop"),
+    Entry("register_peers", "threads"),
+    Entry("cleanup", "threads"),
+    Entry("status", "threads"),
+    Entry("inject_fault", "threads"),
+    Entry("info", "coroutine"),
+    Entry("ping", "coroutine"),
+    Entry("shutdown", "coroutine"),
+)
+
+_BY_WIRE = sorted((e.wire, e.name) for e in ENTRIES if e.wire is not None)
+#: The wire's methods in number order (index = number on the wire).
+WIRE_METHODS: tuple[str, ...] = tuple(name for _, name in _BY_WIRE)
+#: The owner's handlers (``OwnerService.handle``, and ``route`` for a peer's handle).
+OWNER_HANDLERS = frozenset(e.name for e in ENTRIES if e.owner)
+#: What the node's Unix socket carries: calls, notices, and the notices run in order.
+CHANNEL_CALLS = frozenset(e.name for e in ENTRIES if e.socket == "call")
+CHANNEL_NOTICES = frozenset(e.name for e in ENTRIES if e.socket in ("notice", "ordered"))
+ORDERED_NOTICES = frozenset(e.name for e in ENTRIES if e.socket == "ordered")
+#: The actor's delegations to the plain agent: on its loop, and on its threads.
+QUICK: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "loop")
+BLOCKING: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "threads")
+
+if [number for number, _ in _BY_WIRE] != list(range(len(_BY_WIRE))):
+    raise AssertionError(f"wire numbers must run 0..n-1 without a gap: {_BY_WIRE}")
