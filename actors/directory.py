@@ -20,7 +20,7 @@ from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
 from ray_velo.entry import BLOCKING, QUICK
-from ray_velo.errors import ConfigError, StagingError
+from ray_velo.errors import AgentShuttingDown, ConfigError
 from ray_velo.local.channel import (
     DISABLE_ENV,
     ChannelServer,
@@ -163,7 +163,7 @@ class _RendezvousActor:
         return info
 
     async def blocking(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` on the agent's threads (StagingError after its shutdown)."""
+        """Run ``fn(*args)`` on the agent's threads (AgentShuttingDown after its shutdown)."""
         if self._threads_closed:
             raise self._closed_error()
         loop = asyncio.get_running_loop()
@@ -225,12 +225,8 @@ class _RendezvousActor:
         return freed
 
     def _closed_error(self) -> BaseException:
-        """What a call to this agent after its shutdown gets (a StagingError)."""
-        try:
-            self.agent.core.check_open()
-        except StagingError as exc:
-            return exc
-        return StagingError(f"the ray_velo agent on node {self.agent.node_id} is shutting down")
+        """What a call to this agent after its shutdown gets."""
+        return AgentShuttingDown(node=self.agent.node_id)
 
 
 def _logged(work: Any) -> None:

@@ -24,6 +24,7 @@ from ray_velo.config import (
 )
 from ray_velo.errors import (
     AgentDied,
+    AgentShuttingDown,
     BudgetExceeded,
     ConfigError,
     DescriptorError,
@@ -112,6 +113,7 @@ _LAZY_API = {
 
 __all__ = [
     "AgentDied",
+    "AgentShuttingDown",
     "BudgetExceeded",
     "ConfigError",
     "DataHandle",

@@ -142,8 +142,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _bench_two_host(args: argparse.Namespace) -> int:
     from ray_velo.bench.twohost import format_two_host, run_two_host
-    from ray_velo.errors import TestbedUnavailable
     from ray_velo.testbed import check_privileges
+    from ray_velo.testbed.errors import TestbedUnavailable
     from ray_velo.testbed.security import Security
 
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ray_velo import nonblocking
 from ray_velo.config import VeloConfig
-from ray_velo.errors import StagingError
+from ray_velo.errors import AgentShuttingDown, StagingError
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.state import Effects, OwnerState
 from ray_velo.protocol import DataHandle
@@ -184,9 +184,9 @@ class AgentCore:
         self.perform(rest)
 
     def check_open(self) -> None:
-        """Raises StagingError once the agent is shutting down."""
+        """Raises AgentShuttingDown once the agent is shutting down."""
         if self.closed:
-            raise StagingError(f"the ray_velo agent on node {self.node_id} is shutting down")
+            raise AgentShuttingDown(node=self.node_id)
 
     def take_fault(self, name: str) -> bool:
         """Consume one count of test fault ``name`` (False when none is armed)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "AgentDied",
+    "AgentShuttingDown",
     "BudgetExceeded",
     "ConfigError",
     "DescriptorError",
@@ -36,8 +37,6 @@ __all__ = [
     "RegionError",
     "SharedMemoryTooSmall",
     "StagingError",
-    "TestbedError",
-    "TestbedUnavailable",
     "TransferError",
     "TransferTimeout",
     "UcxError",
@@ -235,6 +234,18 @@ class StagingError(VeloError):
     """Staging a payload failed (not a memory shortage). Fields vary."""
 
 
+class AgentShuttingDown(StagingError):
+    """The node's agent is shutting down (``rv.shutdown``, ``ray-velo stop``): it takes no
+    new staging, fetch or GET. A subclass of StagingError, which it was before it had a name
+    of its own. Fields: ``node``."""
+
+    def _describe(self) -> str:
+        return (
+            f"the ray_velo agent on node {self.fields.get('node')} is shutting down: it takes "
+            "nothing new; call ray_velo.init() again once it is gone for a fresh one"
+        )
+
+
 # --- caused by the world or the peer ---------------------------------------------------
 
 
@@ -339,27 +350,3 @@ class UcxError(TransferError):
     def _describe(self) -> str:
         f = self.fields
         return f"UCX {f.get('operation')} failed: {f.get('status_text')} (status {f.get('status')})"
-
-
-# --- the emulated multi-host testbed (bench and tests) ---------------------------------
-
-
-class TestbedError(VeloError, RuntimeError):
-    """Building or running the emulated multi-host testbed failed. Fields: ``step``,
-    ``detail``."""
-
-    __test__ = False  # not a pytest test class
-
-    def _describe(self) -> str:
-        f = self.fields
-        return f"testbed: {f.get('step')} failed: {f.get('detail')}"
-
-
-class TestbedUnavailable(TestbedError):
-    """This machine cannot make the testbed's network namespaces. Fields: ``reason``."""
-
-    def _describe(self) -> str:
-        return (
-            f"cannot build the emulated multi-host testbed: {self.fields.get('reason')}. It "
-            "needs root (CAP_NET_ADMIN) and the `ip` and `tc` commands (iproute2)"
-        )

@@ -39,7 +39,7 @@ from ray_velo.bench.actors import (
     transport_text,
 )
 from ray_velo.bench.hostdriver import PROBE_PREFIX, RESULT_PREFIX
-from ray_velo.errors import TestbedError
+from ray_velo.testbed.errors import TestbedError
 from ray_velo.testbed.security import DEFAULT_SECURITY, Security
 
 __all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]

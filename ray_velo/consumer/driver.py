@@ -53,7 +53,12 @@ from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import copy_gone_notice, read_relay
 from ray_velo.consumer.windows import WindowFeed
 from ray_velo.core import AgentCore
-from ray_velo.errors import DescriptorError, StagingError, UcxError, VeloError
+from ray_velo.errors import (
+    AgentShuttingDown,
+    DescriptorError,
+    UcxError,
+    VeloError,
+)
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.memory.windows import WindowSet
 from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
@@ -86,7 +91,8 @@ class LeaseRenewals:
     A lease_timeout_ms of 0 means the owner set no deadline: nothing to renew.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, node: str = "") -> None:
+        self._node = node  # whose agent renews (for the error after close)
         self._cond = threading.Condition(threading.Lock())
         self._due: dict[int, tuple[float, float, OwnerLink, bytes]] = {}  # (due, period, ...)
         self._ids = itertools.count(1)
@@ -106,7 +112,7 @@ class LeaseRenewals:
         key = next(self._ids)
         with self._cond:
             if self._closed:
-                raise StagingError("the agent is shutting down: no new GET")
+                raise AgentShuttingDown(node=self._node)
             self._due[key] = (time.monotonic() + period, period, link, message)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -546,7 +552,7 @@ class FetchDriver:
     def __init__(self, core: AgentCore, peers: Peers) -> None:
         self.core = core
         self.peers = peers
-        self.renewals = LeaseRenewals()
+        self.renewals = LeaseRenewals(core.node_id)
         #: GETs of plain slots, window by window (``ray-velo status``; the tests' sign).
         self.windowed_gets = 0
         #: Window registrations a timed-out GET may still write: kept until UCX goes.

@@ -32,7 +32,7 @@ class ProducerService:
 
         Raises:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
-            StagingError: the agent is shutting down.
+            AgentShuttingDown: the agent is shutting down.
         """
         core = self.core
         core.check_open()

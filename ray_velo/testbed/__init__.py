@@ -11,10 +11,11 @@ use TCP on those links, as it would between two Ethernet hosts without RDMA NICs
         done = testbed.run([sys.executable, "my_driver.py"])   # runs inside host a
 
 A driver joins with :func:`connect`. It needs root (CAP_NET_ADMIN); without it
-:class:`~ray_velo.errors.TestbedUnavailable` says so.
+:class:`~ray_velo.testbed.TestbedUnavailable` says so.
 """
 
 from ray_velo.testbed.cluster import ENV_VAR, Host, Testbed, TestbedInfo, connect
+from ray_velo.testbed.errors import TestbedError, TestbedUnavailable
 from ray_velo.testbed.netns import LINK_RATES, check_privileges, remove_stale_networks
 
 __all__ = [
@@ -22,7 +23,9 @@ __all__ = [
     "LINK_RATES",
     "Host",
     "Testbed",
+    "TestbedError",
     "TestbedInfo",
+    "TestbedUnavailable",
     "check_privileges",
     "connect",
     "remove_stale_networks",

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, Final
 
-from ray_velo.errors import TestbedError
+from ray_velo.testbed.errors import TestbedError
 from ray_velo.testbed.netns import (
     IFACE,
     Network,

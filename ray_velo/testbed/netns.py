@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ray_velo.errors import TestbedError, TestbedUnavailable
+from ray_velo.testbed.errors import TestbedError, TestbedUnavailable
 
 __all__ = [
     "IFACE",

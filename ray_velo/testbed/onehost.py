@@ -23,8 +23,8 @@ import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from ray_velo.errors import TestbedError
 from ray_velo.testbed.cluster import remove_segments_of
+from ray_velo.testbed.errors import TestbedError
 from ray_velo.testbed.netns import end_processes
 from ray_velo.testbed.security import AuthMode, auth_env, new_token, without_inherited
 

@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from ray_velo.errors import TestbedError
+from ray_velo.testbed.errors import TestbedError
 
 __all__ = ["raw_tcp", "raw_ucx_get"]
 

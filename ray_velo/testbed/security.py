@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, TypedDict
 
-from ray_velo.errors import TestbedUnavailable
+from ray_velo.testbed.errors import TestbedUnavailable
 from ray_velo.wire_auth import TlsFiles
 
 __all__ = [

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from ray_velo.errors import TestbedUnavailable
 from ray_velo.testbed import Testbed, check_privileges
+from ray_velo.testbed.errors import TestbedUnavailable
 from ray_velo.testbed.netns import namespaces, process_running
 
 SCENARIOS = os.path.join(os.path.dirname(__file__), "scenarios.py")

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from ray_velo.errors import TestbedUnavailable
 from ray_velo.testbed import Testbed, check_privileges, remove_stale_networks
+from ray_velo.testbed.errors import TestbedUnavailable
 from ray_velo.testbed.netns import (
     IFACE,
     Network,

@@ -23,6 +23,7 @@ from ray_velo.errors import (
 #: Realistic fields for each public class; a new class must add its own here.
 FIELDS: dict[str, dict[str, Any]] = {
     "AgentDied": {},
+    "AgentShuttingDown": {"node": "node-a"},
     "BudgetExceeded": {
         "requested_bytes": 1 << 30,
         "registered_bytes": 512 << 20,
@@ -63,8 +64,6 @@ FIELDS: dict[str, dict[str, Any]] = {
         "found": "2.40.0",
     },
     "WireAuthError": {"reason": "bad_proof", "peer": "10.0.0.7:41234"},
-    "TestbedError": {"step": "ray start on host b", "detail": "exit 1: port in use"},
-    "TestbedUnavailable": {"reason": "this process runs as uid 1000, not root"},
     "TransferError": {"handle": "00000000deadbeef:7"},
     "TransferTimeout": {"handle": "00000000deadbeef:7", "timeout_s": 2.5, "bound": "caller"},
     "UcxError": {"operation": "ucp_get_nbx", "status": -3, "status_text": "Input/output error"},
