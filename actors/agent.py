@@ -577,25 +577,25 @@ class RendezvousAgent:
             slots = core.state.demotion_begin()
         moved = 0
         for slot in slots:
-            fid = None
-            try:
-                placement = core.memory.allocate_plain(slot.total_len, core.clock())
-                with core.lock:
-                    fid = core.state.fetch_take(placement, False)
+            fid = self._copy_for_demotion(slot)
+            with core.changing() as fx:
+                moved += core.state.demote(slot, fid, core.clock(), fx)
+        return moved
+
+    def _copy_for_demotion(self, slot: Any) -> int | None:
+        """Copy ``slot`` into a plain buffer a fetch id owns; that id, or None when it could
+        not (one slot's copy must not stop the shutdown: it stays where it is)."""
+        try:
+            with self.core.plain_copy_buffer(slot.total_len) as (fid, placement):
                 source = slot.location
                 if isinstance(source, RegionSlot):
                     source.region.copy_into(source.offset, placement.view()[: slot.total_len])
                 else:
                     placement.view()[: slot.total_len] = source.view()[: slot.total_len]
-            except Exception:  # one slot's copy must not stop the shutdown
-                _log.warning("ray_velo: could not demote slot %d", slot.slot_id, exc_info=True)
-                if fid is not None:
-                    with core.changing() as fx:
-                        core.state.fetch_give_back(fid, fx)
-                fid = None
-            with core.changing() as fx:
-                moved += core.state.demote(slot, fid, core.clock(), fx)
-        return moved
+            return fid
+        except Exception:
+            _log.warning("ray_velo: could not demote slot %d", slot.slot_id, exc_info=True)
+            return None
 
     def _drain_gets(self, deadline: float) -> bool:
         """Step 4: this agent's fetches end, the RDMA leases on its memory end, and so do

@@ -124,6 +124,22 @@ class AgentCore:
         finally:
             self.perform(fx)
 
+    @contextlib.contextmanager
+    def plain_copy_buffer(self, nbytes: int) -> Iterator[tuple[int, Any]]:
+        """A plain buffer for a copy (a region slot's, a demotion), owned in the ledger by a
+        fetch id from the moment it is taken: yields ``(fid, placement)``. If the block raises,
+        the buffer goes back unless the block handed it on already (the ledger says which:
+        no local flag decides)."""
+        placement = self.memory.allocate_plain(nbytes, self.clock())
+        with self.lock:
+            fid = self.state.fetch_take(placement, False)
+        try:
+            yield fid, placement
+        except BaseException:
+            with self.changing() as fx:
+                self.state.fetch_abandon(fid, fx)
+            raise
+
     def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Wait (under the lock) until ``ready()`` or the monotonic ``deadline``; says which.
         Looks again at least every 0.1 s: a lease deadline passes without a change."""

@@ -31,10 +31,11 @@ def unix_socket_as(uid: int, path: str, frame: bytes) -> str:
             except PermissionError:
                 outcome = b"denied"
             else:
-                sock.sendall(frame)
                 try:
+                    sock.sendall(frame)
                     outcome = b"closed" if sock.recv(100) == b"" else b"answered"
-                except ConnectionResetError:  # closed with our frame unread: a reset
+                # the agent closed first: the frame met a closed socket, or left unread
+                except (BrokenPipeError, ConnectionResetError):
                     outcome = b"closed"
         except BaseException as exc:
             outcome = repr(exc).encode()[:200]

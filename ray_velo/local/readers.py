@@ -66,36 +66,29 @@ class ReaderService:
         core = self.core
         region_slot: RegionSlot = slot.location
         total_len = slot.total_len
-        fid = None
         try:
-            placement = core.memory.allocate_plain(total_len, core.clock())
-            with core.lock:
-                fid = core.state.fetch_take(placement, False)
-            region_slot.region.copy_into(region_slot.offset, placement.view()[:total_len])
-            with core.changing() as fx:
-                now = core.clock()
-                copy = core.state.fetch_stage(fid, total_len, slot.type_header, "plain", now)
-                fid = None
-                copy_lease = core.state.store.acquire(
-                    core.handle(copy.slot_id), now, kind="local", holder_pid=pid
-                )
-                # the copy is the reader's only: it ends with the reader's lease
-                core.state.store.release(core.handle(copy.slot_id), 0)
-                if mode != "hold":
-                    core.state.lease_end(handle, lease_id, False, now, fx)
-                return lease_of(
-                    core.worker_id,
-                    core.node_id,
-                    copy,
-                    copy_lease.lease_id,
-                    lease_id if mode == "hold" else 0,
-                )
+            with core.plain_copy_buffer(total_len) as (fid, placement):
+                region_slot.region.copy_into(region_slot.offset, placement.view()[:total_len])
+                with core.changing() as fx:
+                    now = core.clock()
+                    copy = core.state.fetch_stage(fid, total_len, slot.type_header, "plain", now)
+                    copy_lease = core.state.store.acquire(
+                        core.handle(copy.slot_id), now, kind="local", holder_pid=pid
+                    )
+                    # the copy is the reader's only: it ends with the reader's lease
+                    core.state.store.release(core.handle(copy.slot_id), 0)
+                    if mode != "hold":
+                        core.state.lease_end(handle, lease_id, False, now, fx)
+                    return lease_of(
+                        core.worker_id,
+                        core.node_id,
+                        copy,
+                        copy_lease.lease_id,
+                        lease_id if mode == "hold" else 0,
+                    )
         except BaseException:
-            with core.changing() as fx:
-                if fid is not None:
-                    core.state.fetch_give_back(fid, fx)
-                with contextlib.suppress(HandleNotFound, LeaseNotFound):  # a TTL came first
-                    core.state.lease_end(handle, lease_id, False, core.clock(), fx)
+            with core.changing() as fx, contextlib.suppress(HandleNotFound, LeaseNotFound):
+                core.state.lease_end(handle, lease_id, False, core.clock(), fx)  # a TTL came first?
             raise
 
     def end(self, handle: DataHandle, lease_id: int, release: bool) -> None:

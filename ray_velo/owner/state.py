@@ -365,6 +365,12 @@ class OwnerState:
             return
         self._give_back(buffer, f"fetch:{fid}", pinned, fx)
 
+    def fetch_abandon(self, fid: int, fx: Effects) -> None:
+        """The fetch's work failed: its buffer goes back as with :meth:`fetch_give_back`,
+        if the fetch still owns it (it may have become a slot or a demoted slot's already)."""
+        if fid in self._fetches:
+            self.fetch_give_back(fid, fx)
+
     def fetch_quarantine(self, fid: int) -> None:
         """A timed-out GET may still write the fetch's buffer: it never goes back (other
         nodes reading the bytes that had landed may go on: those stay as they were)."""
