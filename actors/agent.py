@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -225,11 +226,11 @@ class RendezvousAgent:
         core = self.core
         rdma = core.rdma
         with core.lock:
-            store = core.state.store
+            counts = core.state.counts()
             slots = [
                 {"slot": s.slot_id, "kind": s.kind, "bytes": s.total_len, "refcount": s.refcount,
                  "leases": len(s.leases), "ended": s.ended, "job": s.job, "detached": s.detached}
-                for s in list(store.slots())[:32]
+                for s in itertools.islice(core.state.slots(), 32)
             ]  # fmt: skip
             return {
                 "worker_id": core.worker_id,
@@ -238,24 +239,24 @@ class RendezvousAgent:
                 "shm_dir": core.config.shm_dir,
                 "rdma": rdma is not None,
                 "rdma_enabled": core.rdma_enabled,
-                "live_slots": store.live_slots,
-                "live_handles": store.live_handles,
-                "live_leases": store.live_leases,
-                "staged_bytes": store.staged_bytes,
+                "live_slots": counts.live_slots,
+                "live_handles": counts.live_handles,
+                "live_leases": counts.live_leases,
+                "staged_bytes": counts.staged_bytes,
                 "pinned_used_bytes": core.memory.pinned_used_bytes,
                 "plain_used_bytes": core.memory.plain_used_bytes,
                 "registered_bytes": core.memory.budget.registered_bytes,
                 "budget_bytes": core.memory.budget.budget_bytes,
-                "quarantined_bytes": core.state.quarantined_bytes,
-                "reservations": core.state.reservations,
-                "counters": dataclasses.asdict(store.counters),
+                "quarantined_bytes": counts.quarantined_bytes,
+                "reservations": len(core.reservations),
+                "counters": dataclasses.asdict(counts.counters),
                 "slots": slots,
                 "jobs_followed": sorted(core.state.followed_jobs()),
                 "job_watch": {} if self.jobs is None else self.jobs.counters(),
-                "copies": core.state.copies,
-                "relay_readers": core.state.relay_readers,
+                "copies": core.consumer_state.copies,
+                "relay_readers": core.consumer_state.relay_readers,
                 "relay_renewals": self.consumer.relays.renewals,
-                "copy_sources": core.state.sources.count(),
+                "copy_sources": counts.copy_sources,
                 "windowed_leases": self.owner.windowed_leases,
                 "windows_registered": self.owner.windows_registered,
                 "windowed_gets": self.consumer.driver.windowed_gets,
@@ -273,7 +274,7 @@ class RendezvousAgent:
         their job), and the path counters."""
         core = self.core
         with core.lock:
-            store = core.state.store
+            counts = core.state.counts()
             status: dict[str, Any] = {
                 "node_id": core.node_id,
                 "worker_id": f"{core.worker_id:016x}",
@@ -281,13 +282,13 @@ class RendezvousAgent:
                 "transport": self._transport(),
                 "registered_bytes": core.memory.budget.registered_bytes,
                 "budget_bytes": core.memory.budget.budget_bytes,
-                "live_slots": store.live_slots,
-                "live_leases": store.live_leases,
-                "staged_bytes": store.staged_bytes,
+                "live_slots": counts.live_slots,
+                "live_leases": counts.live_leases,
+                "staged_bytes": counts.staged_bytes,
                 "fetches_in_flight": self.consumer.inflight,
-                "draining": store.draining,
+                "draining": counts.draining,
                 "jobs_followed": len(core.state.followed_jobs()),
-                "detached": _detached_slots(store.slots(), core.clock()),
+                "detached": _detached_slots(core.state.slots(), core.clock()),
             }
         status["ray_worker_id"] = _ray_worker_id()
         status["process"] = process_stats(core.config.shm_dir)
@@ -439,14 +440,14 @@ class RendezvousAgent:
         if core.closed:
             return None
         with core.changing() as fx:
-            state = core.state
-            swept = state.sweep(now, fx)
-            core.metrics.leases_reaped(swept.rdma_leases_reaped)
-            watched = state.watched_pids() | self.regions.pids()
+            states = core.states
+            core.metrics.leases_reaped(states.sweep(now, fx))
+            watched = states.watched_pids() | self.regions.pids()
             dead = {pid for pid in watched if not pid_alive(pid)}
-            reaped = state.reap(dead, now, fx) if dead else None
-            core.metrics.set_slots(state.store.live_slots, state.store.staged_bytes)
-            due = [state.next_due(), self._refresh_gauges(now)]
+            reaped = states.reap(dead, now, fx) if dead else None
+            counts = states.owner.counts()
+            core.metrics.set_slots(counts.live_slots, counts.staged_bytes)
+            due = [states.next_due(), self._refresh_gauges(now)]
             if watched - dead:
                 due.append(now + LIVENESS_INTERVAL_S)
         if reaped is not None:
@@ -489,8 +490,8 @@ class RendezvousAgent:
         core = self.core
         memory = core.memory
         with core.lock:
-            store = core.state.store
-            live_slots, staged = store.live_slots, store.staged_bytes
+            counts = core.state.counts()
+            live_slots, staged = counts.live_slots, counts.staged_bytes
         registered_arenas = 0 if memory.pinned_pool is None else memory.pinned_pool.arenas
         core.metrics.refresh(
             metrics.Gauges(
@@ -531,12 +532,13 @@ class RendezvousAgent:
         with core.lock:
             if core.closed:
                 return {"slots": 0}
-            core.state.store.begin_drain()
+            core.state.begin_drain()
             core.closed = True
+            counts = core.state.counts()
             report = {
                 "fetches_at_gate": self.consumer.inflight,
-                "gets_at_gate": core.state.store.leases_of("rdma"),
-                "pulls_at_gate": core.state.store.leases_of("chunked"),
+                "gets_at_gate": counts.rdma_leases,
+                "pulls_at_gate": counts.chunked_leases,
             }
         if self._ticker is not None:
             self._ticker.stop()
@@ -548,17 +550,17 @@ class RendezvousAgent:
         # A fetch of ours still running may be inside a GET into the registered pool:
         # never unmap under it (the files go; the pages go with the process).
         core.memory.close_registered(unmap=self.consumer.inflight == 0)
-        store = core.state.store
+        state = core.state
         report["pulls_drained"] = int(
-            core.wait_until(lambda: store.leases_of("chunked", core.clock()) == 0, deadline)
+            core.wait_until(lambda: state.counts(core.clock()).chunked_leases == 0, deadline)
         )
         if not report["pulls_drained"]:
             _log.warning(
                 "ray_velo: %d chunked pulls still running at the shutdown bound; ending them",
-                store.leases_of("chunked"),
+                state.counts().chunked_leases,
             )
         with core.changing() as fx:
-            report["slots"] = core.state.clear(core.clock(), fx)
+            report["slots"] = core.states.clear(core.clock(), fx)
         core.commits.release_all()
         self.peers.close()
         core.memory.close()
@@ -579,7 +581,10 @@ class RendezvousAgent:
         for slot in slots:
             fid = self._copy_for_demotion(slot)
             with core.changing() as fx:
-                moved += core.state.demote(slot, fid, core.clock(), fx)
+                if fid is None:
+                    moved += core.state.demote(slot, None, core.clock(), fx)
+                else:
+                    moved += core.consumer_state.fetch_demote(fid, slot, core.clock(), fx)
         return moved
 
     def _copy_for_demotion(self, slot: Any) -> int | None:
@@ -601,18 +606,22 @@ class RendezvousAgent:
         """Step 4: this agent's fetches end, the RDMA leases on its memory end, and so do
         the reads of fetches that finished during the drain (their reader maps the copy,
         which may sit in registered memory, after the fetch returns)."""
-        store = self.core.state.store
+        state = self.core.state
         fetches = self.consumer.wait_idle(max(0.0, deadline - time.monotonic()))
         clock = self.core.clock
-        leases = self.core.wait_until(
-            lambda: store.leases_of("rdma", clock()) == 0 and store.late_reads == 0, deadline
-        )
+
+        def drained() -> bool:
+            counts = state.counts(clock())
+            return counts.rdma_leases == 0 and counts.late_reads == 0
+
+        leases = self.core.wait_until(drained, deadline)
         if not (fetches and leases):
+            counts = state.counts()
             _log.warning(
                 "ray_velo: at the shutdown bound %d fetches, %d RDMA leases and %d reads were "
                 "still live; unmapping anyway (their GETs fail at the consumer)",
                 self.consumer.inflight,
-                store.leases_of("rdma"),
-                store.late_reads,
+                counts.rdma_leases,
+                counts.late_reads,
             )
         return fetches and leases

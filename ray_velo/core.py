@@ -3,10 +3,13 @@
 An agent plays four roles (owner, same-node producers and readers, caller-owned regions,
 cross-node consumer), each a module of its own. They share one :class:`AgentCore`:
 
-* ``state`` (:class:`~ray_velo.owner.state.OwnerState`, pure) changes only inside
+* three pure state objects over one buffer ledger: ``state``, the owner's
+  (:class:`~ray_velo.owner.state.OwnerState`), ``reservations``, its producers'
+  (:class:`~ray_velo.owner.reservations.Reservations`), and ``consumer_state``, the node's
+  consumer side (:class:`~ray_velo.consumer.state.ConsumerState`). They change only inside
   ``with core.changing() as fx:``, which holds the one lock; the effects collected in ``fx``
-  (buffers back to their pools, region anchors released, the timer poked) are performed
-  after the lock is released, so no unmap or free ever runs under it;
+  (windows closed, buffers back to their pools, region anchors released, the timer poked)
+  are performed after the lock is released, so no unmap, close or free runs under it;
 * ``memory`` (pools and budget) locks itself;
 * ``commits`` lets a call that names a handle wait for its producer's commit, which the
   producer sends without waiting for the answer.
@@ -23,10 +26,14 @@ from typing import Any
 
 from ray_velo import nonblocking
 from ray_velo.config import VeloConfig
+from ray_velo.consumer.state import ConsumerState
 from ray_velo.errors import AgentShuttingDown, StagingError
 from ray_velo.memory.node import NodeMemory
-from ray_velo.owner.state import Effects, OwnerState
+from ray_velo.owner.ledger import Effects
+from ray_velo.owner.reservations import Reservations
+from ray_velo.owner.state import OwnerState
 from ray_velo.protocol import DataHandle
+from ray_velo.states import AgentStates
 
 __all__ = ["COMMIT_WAIT_S", "AgentCore", "CommitGate"]
 
@@ -95,6 +102,10 @@ class AgentCore:
     clock: Callable[[], float] = time.monotonic
     lock: threading.RLock = field(default_factory=threading.RLock)
     commits: CommitGate = field(init=False)
+    #: ``state`` with the reservations and consumer-side state over its ledger.
+    states: AgentStates = field(init=False)
+    reservations: Reservations = field(init=False)
+    consumer_state: ConsumerState = field(init=False)
     #: Fault injection for the fault tests only (see the agent's inject_fault).
     faults: dict[str, float] = field(default_factory=dict)
     closed: bool = False
@@ -108,6 +119,8 @@ class AgentCore:
 
     def __post_init__(self) -> None:
         self.commits = CommitGate(self.worker_id)
+        self.states = AgentStates.over(self.state)
+        self.reservations, self.consumer_state = self.states.reservations, self.states.consumer
         self.changed = threading.Condition(self.lock)
 
     @contextlib.contextmanager
@@ -119,7 +132,7 @@ class AgentCore:
                 try:
                     yield fx
                 finally:
-                    fx.windows += self.state.store.take_ended_windows()
+                    fx.windows += self.state.take_ended_windows()
                     self.changed.notify_all()
         finally:
             self.perform(fx)
@@ -132,12 +145,13 @@ class AgentCore:
         no local flag decides)."""
         placement = self.memory.allocate_plain(nbytes, self.clock())
         with self.lock:
-            fid = self.state.fetch_take(placement, False)
+            fid = self.consumer_state.fetch_take(placement, False)
         try:
             yield fid, placement
         except BaseException:
             with self.changing() as fx:
-                self.state.fetch_abandon(fid, fx)
+                if self.consumer_state.fetch_buffer(fid) is not None:
+                    self.consumer_state.fetch_give_back(fid, fx)
             raise
 
     def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:

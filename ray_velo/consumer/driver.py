@@ -62,6 +62,7 @@ from ray_velo.errors import (
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.memory.windows import WindowSet
 from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
+from ray_velo.owner.state import ReadMode
 from ray_velo.protocol import (
     AcquireRequest,
     DataHandle,
@@ -73,6 +74,7 @@ from ray_velo.protocol import (
     WindowRequest,
     encode,
 )
+from ray_velo.store import Slot
 
 __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 
@@ -258,7 +260,7 @@ class _Run:
                 core.memory.free(placement, False, now)
                 return Allocated(False)
         with core.lock:
-            fid = core.state.fetch_take(placement, instruction.registered)
+            fid = core.consumer_state.fetch_take(placement, instruction.registered)
         self.dest = _Destination(placement, fid, instruction.registered, windows)
         return Allocated(True)
 
@@ -343,7 +345,9 @@ class _Run:
             wanted = False
         if wanted and self.dest.fid is not None and self.machine.mode != "hold":
             with core.lock:
-                relayed = core.state.relay_open(self.handle, self.dest.fid, answer.total_len)
+                relayed = core.consumer_state.relay_open(
+                    self.handle, self.dest.fid, answer.total_len
+                )
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
         def get_range(node: str, descriptor: Any, start: int, stop: int, timeout_s: float) -> None:
@@ -428,7 +432,7 @@ class _Run:
             self._get_into(node, descriptor, base, at, end, until)
             if pieces:
                 with core.changing():  # wakes the relays waiting for these bytes
-                    core.state.relay_landed(self.handle, end)
+                    core.consumer_state.relay_landed(self.handle, end)
                 pause = core.faults.get("copy_piece_pause_s", 0.0)
                 if pause and end < stop:
                     time.sleep(pause)
@@ -473,12 +477,12 @@ class _Run:
             fid, self.dest = self.dest.fid, _Destination()
             assert fid is not None
             with core.changing() as fx:
-                core.state.fetch_give_back(fid, fx)
+                core.consumer_state.fetch_give_back(fid, fx)
         elif isinstance(instruction, Quarantine):
             fid, buffer = self.dest.fid, self.dest.buffer
             assert fid is not None
             with core.lock:
-                core.state.fetch_quarantine(fid)
+                core.consumer_state.fetch_quarantine(fid)
             self.dest = _Destination()
             _log.error(
                 "ray_velo: a timed-out GET may still write %d bytes at %s; they stay out of "
@@ -488,7 +492,7 @@ class _Run:
             )
         elif isinstance(instruction, WithdrawWriter):
             with core.lock:
-                core.state.fill_withdraw(self.writer_rid)
+                core.reservations.fill_withdraw(self.writer_rid)
             self.dest = _Destination()
         elif isinstance(instruction, Stage):
             self._stage(instruction.answer)
@@ -500,23 +504,22 @@ class _Run:
         fid = self.dest.fid
         assert fid is not None
         indexed = self.machine.mode != "hold"
-        with core.lock:
+        with core.changing() as fx:
             now = core.clock()
             kind = core.memory.kind_of(self.dest.buffer, self.dest.registered)
-            slot = core.state.fetch_stage(
-                fid, answer.total_len, answer.type_header, kind, now,
+            slot = core.consumer_state.fetch_stage(
+                fid, answer.total_len, answer.type_header, kind, now, fx,
                 copy_of=self.handle if indexed else None,
             )  # fmt: skip
             self.local = (slot, self._lease_local(slot, indexed, now))
         self.dest = _Destination()
 
-    def _lease_local(self, slot: Any, indexed: bool, now: float) -> int:
+    def _lease_local(self, slot: Slot, indexed: bool, now: float) -> int:
         # core.lock held. A copy no other fetch can find ends with its reader's lease.
-        store = self.core.state.store
-        local = self.core.handle(slot.slot_id)
-        lease = store.acquire(local, now, kind="local", holder_pid=self.pid)
-        if not indexed:
-            store.release(local, 0)
+        mode: ReadMode = "detach" if indexed else "release"
+        _, lease = self.core.state.local_acquire(
+            self.core.handle(slot.slot_id), self.pid, mode, now
+        )
         return lease.lease_id
 
     def done(self, outcome: Done) -> LocalLease:
@@ -530,14 +533,17 @@ class _Run:
             )  # fmt: skip
         else:
             if self.local is None:  # an empty payload: nothing moved, nothing allocated
-                with core.lock:
-                    slot = core.state.stage_empty(answer.type_header, core.clock())
-                    self.local = (slot, self._lease_local(slot, False, core.clock()))
+                with core.changing() as fx:
+                    now = core.clock()
+                    slot = core.state.stage(
+                        None, "", 0, answer.type_header, now, fx, kind="empty", pinned=False
+                    )
+                    self.local = (slot, self._lease_local(slot, False, now))
             slot, lease_id = self.local
             lease = lease_of(core.worker_id, core.node_id, slot, lease_id, outcome.kept_lease)
         if outcome.claimed:
             with core.lock:
-                core.state.claim_held(self.pid, self.handle)
+                core.consumer_state.claim_held(self.pid, self.handle)
         core.poke()  # a reader to watch
         return lease
 

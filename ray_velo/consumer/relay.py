@@ -20,6 +20,7 @@ from typing import Any
 from ray_velo import nonblocking
 from ray_velo.core import AgentCore
 from ray_velo.errors import HandleNotFound, ProtocolError, UcxError, VeloError, WireAuthError
+from ray_velo.memory.pool import Placement
 from ray_velo.owner.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
 from ray_velo.protocol import (
     CopyNotice,
@@ -62,7 +63,7 @@ class RelayServer:
         request = decode(RelayRequest, data)
         nonblocking.check("waiting for a copy's bytes")
         core, remote = self.core, request.handle
-        state, lease_timeout = core.state, core.config.rdma.rendezvous.lease_timeout
+        state, lease_timeout = core.consumer_state, core.config.rdma.rendezvous.lease_timeout
         until = time.monotonic() + RELAY_WAIT_S
         lease_id, first = request.lease_id, request.lease_id == 0
         self.renewals += not first
@@ -88,6 +89,11 @@ class RelayServer:
             descriptor = b""
             if first:  # where the bytes are, once: they stay there while the copy lives
                 buffer = state.relay_buffer(relay)
+                if not isinstance(buffer, Placement):  # its bytes went meanwhile
+                    state.relay_leave(remote, lease_id, core.clock(), fx)
+                    raise HandleNotFound(
+                        handle=str(remote), node=core.node_id, reason="its copy here is gone"
+                    )
                 where = (buffer.registration, buffer.address, relay.total_len)
                 descriptor = core.rdma.descriptor(*where) or b""
             progress = RelayProgress(
@@ -99,7 +105,9 @@ class RelayServer:
         """``_rv_relay_end``: a reader is done with the copy."""
         request = decode(RelayEnd, data)
         with self.core.changing() as fx:
-            self.core.state.relay_leave(request.handle, request.lease_id, self.core.clock(), fx)
+            self.core.consumer_state.relay_leave(
+                request.handle, request.lease_id, self.core.clock(), fx
+            )
 
 
 class RelayLink:

@@ -176,7 +176,7 @@ class ConsumerService:
     ) -> LocalLease:
         core = self.core
         with core.lock:
-            pending = core.state.fill_begin(writer_rid)  # its buffer stays until we end
+            pending = core.reservations.fill_begin(writer_rid)  # its buffer stays until we end
         try:
             link = await self._link(handle, blocking)
             return await self.driver.run(
@@ -184,7 +184,7 @@ class ConsumerService:
             )
         finally:
             with core.changing() as fx:
-                core.state.fill_end(writer_rid, fx)
+                core.reservations.fill_end(writer_rid, fx)
 
     async def _from_copy(
         self, link: OwnerLink, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int
@@ -194,11 +194,11 @@ class ConsumerService:
         between the owner's word and the lease."""
         core = self.core
         with core.lock:
-            copy = core.state.copy_for(handle)
+            copy = core.consumer_state.copy_for(handle)
             if copy is None:
                 return None
             local = core.handle(copy.slot_id)
-            lease = core.state.store.acquire(local, core.clock(), kind="local", holder_pid=pid)
+            _, lease = core.state.local_acquire(local, pid, "detach", core.clock())
         request = AcquireRequest(
             handle,
             lease_ms=deadline.budget_ms(),
@@ -212,7 +212,7 @@ class ConsumerService:
             with core.changing() as fx:
                 core.state.lease_end(local, lease.lease_id, False, core.clock(), fx)
                 if isinstance(exc, HandleNotFound):  # its owner will never say so now
-                    core.state.copy_ended(handle, core.clock(), fx)
+                    core.consumer_state.copy_ended(handle, core.clock(), fx)
             raise
         if mode == "release":
             link.send("_rv_release", encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
@@ -220,9 +220,9 @@ class ConsumerService:
             link.send("_rv_detach", encode(DetachRequest(handle, answer.lease_id)))
         with core.changing() as fx:
             if mode == "claim":
-                core.state.claim_held(pid, handle)
+                core.consumer_state.claim_held(pid, handle)
             if answer.unclaimed == 0:  # the last consumer: the copy goes with its last reader
-                core.state.copy_ended(handle, core.clock(), fx)
+                core.consumer_state.copy_ended(handle, core.clock(), fx)
         core.metrics.fetched("cache", copy.total_len, 0.0)
         core.poke()
         return lease_of(core.worker_id, core.node_id, copy, lease.lease_id)
@@ -247,7 +247,7 @@ class ConsumerService:
             self.owner.copy_gone(notice)
             return
         with core.changing() as fx:
-            core.state.copy_ended(notice.handle, core.clock(), fx)
+            core.consumer_state.copy_ended(notice.handle, core.clock(), fx)
 
     # --- claims ----------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class ConsumerService:
         succeeded) or give it back (Ray retries the task). Not waited for by the caller; a
         handle gone meanwhile (its TTL) is no error here."""
         with self.core.lock:
-            held = self.core.state.claim_end(pid, handle)
+            held = self.core.consumer_state.claim_end(pid, handle)
         if held:
             self._end_claim(handle, consume)
 

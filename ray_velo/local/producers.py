@@ -57,7 +57,7 @@ class ProducerService:
                 if placement is not None:
                     fx.free.append((placement, registered))
                 core.check_open()
-            rid, pending = core.state.reserve(
+            rid, pending = core.reservations.reserve(
                 placement,
                 kind,  # type: ignore[arg-type]
                 registered,
@@ -96,8 +96,8 @@ class ProducerService:
         try:
             with core.changing() as fx:
                 core.check_open()
-                pending = core.state.reservation(reservation_id)
-                handle = core.state.commit(
+                pending = core.reservations.get(reservation_id)
+                handle = core.reservations.commit(
                     reservation_id, nbytes, type_header, ttl, refcount, core.clock(), fx,
                     follow_producer=follow_producer, job=job, detached=detached,
                 )  # fmt: skip
@@ -113,6 +113,6 @@ class ProducerService:
     def abort(self, reservation_id: int, why: str = "its producer aborted staging it") -> None:
         """Give a reservation's memory back (a failed put, a closed PinnedWriter)."""
         with self.core.changing() as fx:
-            slot_id = self.core.state.abort(reservation_id, why, fx)
+            slot_id = self.core.reservations.abort(reservation_id, why, fx)
         if slot_id is not None:
             self.core.commits.landed(slot_id)

@@ -45,6 +45,8 @@ class ReaderService:
             if nonblocking.active() and self._in_region(handle):
                 nonblocking.check(f"copying {handle} out of its region")
             slot, lease = core.state.local_acquire(handle, pid, mode, core.clock())
+            if mode == "claim":  # consumed or given back later (claim_end)
+                core.consumer_state.claim_held(pid, handle)
             fx.poke = True  # a holder to watch
             if not isinstance(slot.location, RegionSlot) or slot.total_len == 0:
                 return lease_of(core.worker_id, core.node_id, slot, lease.lease_id)
@@ -52,10 +54,10 @@ class ReaderService:
 
     def _in_region(self, handle: DataHandle) -> bool:
         # core.lock held. A live slot in a caller's region with bytes to copy.
-        store = self.core.state.store
-        if not store.is_live(handle):
+        try:
+            slot = self.core.state.slot(handle)
+        except HandleNotFound:
             return False  # local_acquire says why
-        slot = store.slot(handle)
         return isinstance(slot.location, RegionSlot) and slot.total_len > 0
 
     def _copy_of_region(
@@ -71,12 +73,13 @@ class ReaderService:
                 region_slot.region.copy_into(region_slot.offset, placement.view()[:total_len])
                 with core.changing() as fx:
                     now = core.clock()
-                    copy = core.state.fetch_stage(fid, total_len, slot.type_header, "plain", now)
-                    copy_lease = core.state.store.acquire(
-                        core.handle(copy.slot_id), now, kind="local", holder_pid=pid
+                    copy = core.consumer_state.fetch_stage(
+                        fid, total_len, slot.type_header, "plain", now, fx
                     )
                     # the copy is the reader's only: it ends with the reader's lease
-                    core.state.store.release(core.handle(copy.slot_id), 0)
+                    _, copy_lease = core.state.local_acquire(
+                        core.handle(copy.slot_id), pid, "release", now
+                    )
                     if mode != "hold":
                         core.state.lease_end(handle, lease_id, False, now, fx)
                     return lease_of(

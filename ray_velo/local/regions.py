@@ -99,23 +99,15 @@ class RegionService:
         try:
             with core.changing() as fx:
                 core.check_open()
-                new_job = bool(job) and not detached and not core.state.store.follows(job)
-                handle = core.state.store.stage(
-                    stop - start,
-                    type_header,
-                    RegionSlot(owned.region, anchor, start),
-                    kind="region",
-                    pinned=core.rdma is not None,
-                    now=core.clock(),
-                    ttl=ttl,
-                    job=job,
-                    detached=detached,
-                )
-                fx.poke = ttl is not None or new_job  # a new job: the timer watches it
+                slot = core.state.stage(
+                    RegionSlot(owned.region, anchor, start), "", stop - start, type_header,
+                    core.clock(), fx, kind="region", pinned=core.rdma is not None, ttl=ttl,
+                    job=job, detached=detached,
+                )  # fmt: skip
         except BaseException:
             anchor.release()
             raise
-        return DataHandle(handle.worker_id, handle.slot_id, core.node_id)
+        return core.handle(slot.slot_id)
 
     def unregister(self, region_id: int, timeout_s: float) -> str:
         """Gate, drain anchors up to ``timeout_s``, unmap; end the slots left in it.
@@ -135,7 +127,7 @@ class RegionService:
 
     def _end_slots_in(self, region: Region, fx: Effects) -> None:
         state, now = self.core.state, self.core.clock()
-        for slot in [s for s in state.store.slots() if isinstance(s.location, RegionSlot)]:
+        for slot in [s for s in state.slots() if isinstance(s.location, RegionSlot)]:
             if slot.location.region is region:
                 state.evict(self.core.handle(slot.slot_id), "its region was unregistered", now, fx)
 

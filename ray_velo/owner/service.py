@@ -70,8 +70,9 @@ class OwnerService:
         request = decode(MetadataRequest, data)
         self.core.commits.wait(request.handle)
         with self.core.lock:
-            meta = self.core.state.store.metadata(request.handle)
-        return encode(MetadataResponse(meta.size, meta.refcount, meta.pinned))
+            slot = self.core.state.slot(request.handle)
+            answer = MetadataResponse(slot.total_len, slot.refcount, slot.pinned)
+        return encode(answer)
 
     def _rv_acquire(self, data: bytes) -> bytes:
         """A read lease and the path, in one round trip (spec: the eight checks)."""
@@ -86,7 +87,7 @@ class OwnerService:
             if request.consumer_node and request.consumer_worker:
                 consumer = (request.consumer_node, request.consumer_worker)
                 core.metrics.leases_reaped(core.state.supersede(*consumer, core.clock(), fx))
-            slot = core.state.store.slot(request.handle)
+            slot = core.state.slot(request.handle)
             descriptor, windows = self._decide(request, slot)
             if descriptor or windows is not None:
                 fx.poke = True
@@ -105,7 +106,7 @@ class OwnerService:
             return False
         with self.core.lock:
             try:
-                return _windowable(self.core.state.store.slot(request.handle))
+                return _windowable(self.core.state.slot(request.handle))
             except VeloError:
                 return False  # the acquire itself says why
 
@@ -139,7 +140,7 @@ class OwnerService:
             slot_pinned=slot.pinned,
             total_len=slot.total_len,
             rdma_min_bytes=core.config.rdma.rendezvous.rdma_min_bytes,
-            draining=core.state.store.draining,
+            draining=core.state.counts().draining,
             windowed=request.rdma is not None and request.rdma.windows and _windowable(slot),
         )
         decision = decide_path(facts, lambda: self._descriptor(slot), open_windows)
@@ -162,15 +163,12 @@ class OwnerService:
         """An RDMA lease (always with a deadline) and the answer carrying the descriptor, or
         the window size of a plain slot (the lease owns its window set from here on)."""
         rendezvous = self.core.config.rdma.rendezvous
-        sources = self.core.state.sources
         relay = None
         if request.copies and consumer is not None:
-            # Its copy counts (announced before the GET, so the next consumer may read it
-            # as it fills); a large payload is read from another copy when there is one.
-            if slot.total_len >= RELAY_MIN_BYTES:
-                relay = sources.pick(slot.slot_id, consumer[0])
-            sources.announce(slot.slot_id, *consumer)
-        lease = self.core.state.store.acquire(
+            # Its copy counts; a large payload is read from another copy when there is one.
+            pick = slot.total_len >= RELAY_MIN_BYTES
+            relay = self.core.state.copy_source(slot.slot_id, *consumer, pick)
+        lease = self.core.state.grant(
             request.handle,
             self.core.clock(),
             kind="rdma",
@@ -200,7 +198,7 @@ class OwnerService:
         self, request: AcquireRequest, slot: Slot, consumer: tuple[str, int] | None
     ) -> bytes:
         """A chunked lease (a deadline only when asked: ``lease_ms``) and its answer."""
-        lease = self.core.state.store.acquire(
+        lease = self.core.state.grant(
             request.handle,
             self.core.clock(),
             kind="local" if request.holder_pid else "chunked",
@@ -274,7 +272,7 @@ class OwnerService:
         request = decode(RefRequest, data)
         self.core.commits.wait(request.handle)
         with self.core.lock:
-            return self.core.state.store.ref(request.handle)
+            return self.core.state.ref(request.handle)
 
     def _rv_detach(self, data: bytes) -> None:
         request = decode(DetachRequest, data)
@@ -294,12 +292,12 @@ class OwnerService:
     def copy_gone(self, notice: CopyNotice) -> None:
         """``_rv_copy`` about one of our handles: that node's copy of it is no more."""
         with self.core.lock:
-            self.core.state.sources.gone(notice.handle.slot_id, notice.node, notice.worker)
+            self.core.state.copy_gone(notice.handle.slot_id, notice.node, notice.worker)
 
     def _rv_lease_renew(self, data: bytes) -> None:
         request = decode(LeaseRenewRequest, data)
         with self.core.lock:
-            self.core.state.store.renew(request.handle, request.lease_id, self.core.clock())
+            self.core.state.renew(request.handle, request.lease_id, self.core.clock())
 
     def _rv_window(self, data: bytes) -> bytes:
         """Window ``index`` of a plain slot, registered for the RDMA lease that opened the
@@ -314,8 +312,7 @@ class OwnerService:
         nonblocking.check("registering a window")  # UCX calls: on a thread
         core = self.core
         with core.lock:
-            windows = core.state.store.lease_windows(request.handle, request.lease_id)
-            core.state.store.renew(request.handle, request.lease_id, core.clock())
+            windows = core.state.renew(request.handle, request.lease_id, core.clock())
         if not isinstance(windows, WindowSet):
             raise ProtocolError(f"lease {request.lease_id} of {request.handle} has no windows")
         if not -1 <= request.index < windows.count:

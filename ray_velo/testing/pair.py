@@ -247,10 +247,10 @@ class AgentPair:
         self.consumer.tick(now)
 
     def validate(self) -> None:
-        """Both agents' owner states check every invariant (the buffer ledger included)."""
+        """Both agents' state objects check every invariant (the buffer ledger included)."""
         for agent in (self.owner, self.consumer):
             with agent.core.lock:
-                agent.core.state.validate()
+                agent.core.states.validate()
 
     def paths(self, agent: RendezvousAgent) -> dict[str, int]:
         return dict(agent.core.metrics.snapshot()["velo_rendezvous_rdma_path_total"])

@@ -17,10 +17,12 @@ import pytest
 import ray_velo as rv
 from ray_velo.actors.jobs import JOB_END_BOUND_S, JOB_POLL_S, JobWatch
 from ray_velo.config import MiB, check_lifetime
+from ray_velo.consumer.state import KEPT_IDLE_S
 from ray_velo.errors import ConfigError, HandleNotFound, LeaseNotFound
-from ray_velo.owner.state import KEPT_IDLE_S, Effects, OwnerState
+from ray_velo.owner.state import Effects
 from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.staging.tree import TransferOptions
+from ray_velo.states import AgentStates
 from ray_velo.store import JOB_ENDED, TTL_EXPIRED, SlotStore
 from ray_velo.testing import AgentPair, FakeJobs
 from tests.unit.test_owner_state import Buf
@@ -129,13 +131,13 @@ def test_a_detached_slot_lives_until_its_ttl_or_release() -> None:
 # --- the owner state ---------------------------------------------------------------------
 
 
-def committed(state: OwnerState, buf: Buf, job: str, fx: Effects, **kw: bool) -> DataHandle:
-    rid, _ = state.reserve(buf, "pooled", True, PID)
-    return state.commit(rid, buf.nbytes, RAW, None, 1, 0.0, fx, job=job, **kw)
+def committed(state: AgentStates, buf: Buf, job: str, fx: Effects, **kw: bool) -> DataHandle:
+    rid, _ = state.reservations.reserve(buf, "pooled", True, PID)
+    return state.reservations.commit(rid, buf.nbytes, RAW, None, 1, 0.0, fx, job=job, **kw)
 
 
 def test_a_new_job_wakes_the_timer_once() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     for n, (job, poked) in enumerate([(JOB_A, True), (JOB_A, False), (JOB_B, True), ("", False)]):
         fx = Effects()
         committed(state, Buf(n), job, fx)
@@ -143,47 +145,48 @@ def test_a_new_job_wakes_the_timer_once() -> None:
     fx = Effects()
     committed(state, Buf(9), JOB_B, fx, detached=True)
     assert not fx.poke
-    assert state.followed_jobs() == {JOB_A, JOB_B}
+    assert state.owner.followed_jobs() == {JOB_A, JOB_B}
     state.validate()
 
 
 def test_a_jobs_memory_goes_back_after_the_pull_grace_and_reads_in_progress() -> None:
     """A chunk view went out just before job A ended: the bytes wait out the pull grace.
     A region-style copy out of job A's other slot is in progress: its bytes wait for it."""
-    state = OwnerState(WORKER, pull_grace_s=1.0)
+    state = AgentStates.new(WORKER, pull_grace_s=1.0)
+    owner, ledger = state.owner, state.owner.ledger
     fx = Effects()
     pulled_buf, read_buf = Buf(1), Buf(2)
     pulled = committed(state, pulled_buf, JOB_A, fx)
     read = committed(state, read_buf, JOB_A, fx)
-    lease = state.store.acquire(pulled, 0.0, kind="chunked", timeout=10.0)
-    state.pull(lease.lease_id, 0, 1024, now=5.0)
-    state.begin_read(read.slot_id)
+    lease = owner.grant(pulled, 0.0, kind="chunked", timeout=10.0)
+    owner.pull(lease.lease_id, 0, 1024, now=5.0)
+    owner.begin_read(read.slot_id)
     fx = Effects()
-    assert state.end_job(JOB_A, 5.2, fx) == 2
+    assert owner.end_job(JOB_A, 5.2, fx) == 2
     state.validate()
     assert fx.free == []
-    assert state.holder_of(pulled_buf) == f"grace:{pulled.slot_id}"
-    assert state.holder_of(read_buf) == f"parked:{read.slot_id}"
+    assert ledger.holder_of(pulled_buf) == f"grace:{pulled.slot_id}"
+    assert ledger.holder_of(read_buf) == f"parked:{read.slot_id}"
     fx = Effects()
-    state.end_read(read.slot_id, 5.5, fx)
+    owner.end_read(read.slot_id, 5.5, fx)
     assert [b for b, _ in fx.free] == [read_buf]
     fx = Effects()
     state.sweep(6.0, fx)
     assert [b for b, _ in fx.free] == [pulled_buf]
     state.validate()
-    assert state.holders == {}
+    assert ledger.held() == set()
 
 
 def test_the_copies_of_a_jobs_handle_hear_of_its_end_at_once() -> None:
     """Other nodes keep copies of job A's handle: they are told when the handle ends, even
     while a GET still holds the owner's bytes (no later reader can come)."""
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fx = Effects()
     handle = committed(state, Buf(1), JOB_A, fx)
-    state.sources.announce(handle.slot_id, "node-b", 7)
-    state.store.acquire(handle, 0.0, kind="rdma", timeout=2.0)
+    state.owner.copy_source(handle.slot_id, "node-b", 7, pick=False)
+    state.owner.grant(handle, 0.0, kind="rdma", timeout=2.0)
     fx = Effects()
-    state.end_job(JOB_A, 0.1, fx)
+    state.owner.end_job(JOB_A, 0.1, fx)
     assert fx.copy_ends == [(DataHandle(WORKER, handle.slot_id), "node-b", 7)]
     assert fx.free == []  # the GET's lease keeps the bytes
     state.validate()
@@ -192,37 +195,38 @@ def test_the_copies_of_a_jobs_handle_hear_of_its_end_at_once() -> None:
 def test_a_node_local_copy_whose_reader_died_goes() -> None:
     """A reader on the consumer node was killed with its job while it read a copy nobody
     else can find: the copy ends when the reader's death is seen, not never."""
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     remote = DataHandle(0xBEEF, 3)
     buf = Buf(1)
-    fid = state.fetch_take(buf, True)
-    copy = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=remote)
-    state.store.acquire(DataHandle(WORKER, copy.slot_id), 0.0, kind="local", holder_pid=PID)
+    fid = state.consumer.fetch_take(buf, True)
+    copy = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=remote)
+    state.owner.local_acquire(DataHandle(WORKER, copy.slot_id), PID, "detach", 0.0)
     fx = Effects()
     state.reap({PID}, 1.0, fx)
     assert [b for b, _ in fx.free] == [buf]
-    assert state.copies == 0
+    assert state.consumer.copies == 0
     state.validate()
 
 
 def test_a_kept_copy_whose_reader_died_keeps_its_idle_bound() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
+    owner, consumer = state.owner, state.consumer
     remote = DataHandle(0xBEEF, 3)
-    fid = state.fetch_take(Buf(1), True)
-    assert state.relay_open(remote, fid, 4096)
-    copy = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=remote)
-    local = DataHandle(WORKER, copy.slot_id)
-    lease = state.store.acquire(local, 0.0, kind="local", holder_pid=PID)
+    fid = consumer.fetch_take(Buf(1), True)
+    assert consumer.relay_open(remote, fid, 4096)
     fx = Effects()
-    state.lease_end(local, lease.lease_id, False, 1.0, fx)  # read, then idle from t=1
-    state.store.acquire(local, 2.0, kind="local", holder_pid=PID + 1)
+    copy = consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, fx, copy_of=remote)
+    local = DataHandle(WORKER, copy.slot_id)
+    _, lease = owner.local_acquire(local, PID, "detach", 0.0)
+    owner.lease_end(local, lease.lease_id, False, 1.0, fx)  # read, then idle from t=1
+    owner.local_acquire(local, PID + 1, "detach", 2.0)
     state.reap({PID + 1}, 3.0, fx)  # its second reader died: idle from t=3
-    assert state.copies == 1 and state.next_due() == 3.0 + KEPT_IDLE_S
+    assert consumer.copies == 1 and state.next_due() == 3.0 + KEPT_IDLE_S
     state.reap({PID + 2}, 50.0, fx)  # an unrelated death does not push the bound on
     assert state.next_due() == 3.0 + KEPT_IDLE_S
     fx = Effects()
     state.sweep(3.0 + KEPT_IDLE_S, fx)
-    assert state.copies == 0 and len(fx.free) == 1
+    assert consumer.copies == 0 and len(fx.free) == 1
     state.validate()
 
 

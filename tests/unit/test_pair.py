@@ -147,9 +147,9 @@ def test_an_unsafe_get_quarantines_its_destination_and_falls_back(pair: AgentPai
     pair.consumer_rdma.unsafe_gets = 1
     handle = pair.put(payload(2 * MiB))
     assert pair.fetch(handle) == payload(2 * MiB)
-    state = pair.consumer.core.state
-    assert state.quarantined_bytes >= 2 * MiB
-    quarantined = {buffer.key for buffer, _ in state.quarantined}
+    ledger = pair.consumer.core.state.ledger
+    assert ledger.quarantined_bytes >= 2 * MiB
+    quarantined = {buffer.key for buffer, _ in ledger.quarantined}
     for seed in range(4):  # later fetches never land in quarantined memory
         lease = pair.lease(pair.put(payload(2 * MiB, seed)))
         assert (lease.path, lease.offset) not in quarantined
@@ -167,9 +167,9 @@ def test_a_get_past_its_bound_is_quarantined_not_freed(pair: AgentPair) -> None:
     handle = pair.put(payload(2 * MiB), ttl=7200.0)
     with pytest.raises(TransferTimeout):
         pair.fetch(handle, "detach", timeout=5.0)
-    state = pair.consumer.core.state
-    assert state.quarantined_bytes >= 2 * MiB
-    assert "quarantine" in state.holders.values()
+    ledger = pair.consumer.core.state.ledger
+    assert ledger.quarantined_bytes >= 2 * MiB
+    assert any(ledger.holder_of(buffer) == "quarantine" for buffer, _ in ledger.quarantined)
     assert pair.owner.info()["live_leases"] == 0
     pair.validate()
     assert pair.fetch(handle) == payload(2 * MiB)
@@ -186,8 +186,7 @@ def test_a_pinned_writer_under_an_unsafe_get_is_withdrawn(pair: AgentPair) -> No
             handle, "hold", None, os.getpid(), "unbounded", writer.reservation_id
         )
     pair.consumer.stage_abort(writer.reservation_id)  # the writer's close frees nothing now
-    state = pair.consumer.core.state
-    assert state.quarantined_bytes >= 4 * MiB
+    assert pair.consumer.core.state.ledger.quarantined_bytes >= 4 * MiB
     pair.validate()
     assert pair.fetch(handle) == payload(2 * MiB)
     nothing_left(pair)
@@ -369,14 +368,14 @@ def test_a_pinned_writer_evicts_idle_warm_memory_before_falling_back(tmp_path: P
         assert gauge() == budget.registered_bytes == 48 * MiB
 
         too_big = pair.owner.stage_reserve(300 * MiB, True, os.getpid())
-        pending = core.state.reservation(too_big.reservation_id)
+        pending = core.reservations.get(too_big.reservation_id)
         assert pending is not None and (pending.kind, pending.pinned) == ("plain", False)
         assert pair.owner_paths() == {"rdma/ok": 1, "chunked/budget": 1}
         assert pool.arenas == 1 and gauge() == budget.registered_bytes == 48 * MiB
         pair.owner.stage_abort(too_big.reservation_id)
 
         writer = pair.owner.stage_reserve(220 * MiB, True, os.getpid())
-        pending = core.state.reservation(writer.reservation_id)
+        pending = core.reservations.get(writer.reservation_id)
         assert pending is not None and (pending.kind, pending.pinned) == ("dedicated", True)
         assert pair.owner_paths() == {"rdma/ok": 1, "chunked/budget": 1}  # no new fallback
         assert (pool.arenas, pool.mapped_bytes) == (1, 220 * MiB)  # the warm arena went

@@ -13,10 +13,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from ray_velo.consumer.state import KEPT_IDLE_S
 from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.owner.relays import CopySources
-from ray_velo.owner.state import KEPT_IDLE_S, Effects, OwnerState
+from ray_velo.owner.state import Effects
 from ray_velo.protocol import DataHandle, TypeHeader
+from ray_velo.states import AgentStates
 from tests.unit.test_owner_state import (
     PID,
     WORKER,
@@ -65,11 +67,11 @@ def test_copies_are_forgotten_when_gone_replaced_or_their_handle_ends() -> None:
 
 
 def test_the_end_of_a_handle_with_copies_tells_their_agents() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     handle = staged(state, Buf(1))
-    state.sources.announce(handle.slot_id, "b", 11)
+    state.owner.copy_source(handle.slot_id, "b", 11, pick=False)
     fx = Effects()
-    state.lease_end(handle, 0, True, 1.0, fx)
+    state.owner.lease_end(handle, 0, True, 1.0, fx)
     assert fx.copy_ends == [(handle, "b", 11)]
     assert freed(fx) == [Buf(1)]
 
@@ -77,129 +79,131 @@ def test_the_end_of_a_handle_with_copies_tells_their_agents() -> None:
 # --- a copy on its node ---------------------------------------------------------------
 
 
-def filling(state: OwnerState, remote: DataHandle = REMOTE, n: int = 1) -> int:
-    fid = state.fetch_take(Buf(n), True)
-    assert state.relay_open(remote, fid, 4096)
+def filling(state: AgentStates, remote: DataHandle = REMOTE, n: int = 1) -> int:
+    fid = state.consumer.fetch_take(Buf(n), True)
+    assert state.consumer.relay_open(remote, fid, 4096)
     return fid
 
 
 def test_a_failed_fetch_keeps_its_bytes_for_the_node_reading_them() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
-    state.relay_landed(REMOTE, 2048)
-    lease_id, relay = state.relay_join(REMOTE, 0.0, LEASE_S)
+    state.consumer.relay_landed(REMOTE, 2048)
+    lease_id, relay = state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
     assert relay.landed == 2048
     fx = Effects()
-    state.fetch_give_back(fid, fx)  # its GET failed
-    assert freed(fx) == [] and state.holder_of(Buf(1)) == f"relayed:{fid}"
+    state.consumer.fetch_give_back(fid, fx)  # its GET failed
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == f"relayed:{fid}"
     state.validate()
     with pytest.raises(HandleNotFound):  # no new reader of a failed copy
-        state.relay_join(REMOTE, 0.0, LEASE_S)
-    state.relay_leave(REMOTE, lease_id, 0.5, fx)
+        state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
+    state.consumer.relay_leave(REMOTE, lease_id, 0.5, fx)
     assert freed(fx) == [Buf(1)]
-    assert state.relay(REMOTE) is None
+    assert state.consumer.relay(REMOTE) is None
     state.validate()
 
 
 def test_a_copy_that_ends_while_read_keeps_its_bytes_until_the_read_ends() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
-    lease_id, _ = state.relay_join(REMOTE, 0.0, LEASE_S)
-    slot = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    lease_id, _ = state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
+    slot = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE)
     fx = Effects()
-    state.copy_ended(REMOTE, 0.1, fx)  # the owner ended the handle: the copy ends now
-    assert freed(fx) == [] and state.holder_of(Buf(1)) == f"parked:{slot.slot_id}"
+    state.consumer.copy_ended(REMOTE, 0.1, fx)  # the owner ended the handle: the copy ends now
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == f"parked:{slot.slot_id}"
     state.validate()
-    state.relay_leave(REMOTE, lease_id, 0.2, fx)
+    state.consumer.relay_leave(REMOTE, lease_id, 0.2, fx)
     assert freed(fx) == [Buf(1)]
     state.validate()
 
 
 def test_a_reader_that_stops_renewing_lets_the_bytes_go_a_lease_later() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
-    lease_id, _ = state.relay_join(REMOTE, 0.0, LEASE_S)
+    lease_id, _ = state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
     fx = Effects()
-    state.fetch_give_back(fid, fx)
+    state.consumer.fetch_give_back(fid, fx)
     assert state.next_due() == LEASE_S
     state.sweep(LEASE_S / 2, fx)
     assert freed(fx) == []
-    state.relay_renew(REMOTE, lease_id, LEASE_S / 2, LEASE_S)
+    state.consumer.relay_renew(REMOTE, lease_id, LEASE_S / 2, LEASE_S)
     state.sweep(LEASE_S, fx)
     assert freed(fx) == []  # renewed
     state.sweep(1.5 * LEASE_S, fx)
     assert freed(fx) == [Buf(1)]
     with pytest.raises(LeaseNotFound):
-        state.relay_renew(REMOTE, lease_id, 2.0, LEASE_S)
+        state.consumer.relay_renew(REMOTE, lease_id, 2.0, LEASE_S)
     state.validate()
 
 
 def test_a_quarantined_copy_is_read_to_its_landed_bytes_and_never_given_back() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
-    state.relay_landed(REMOTE, 1024)
-    lease_id, _ = state.relay_join(REMOTE, 0.0, LEASE_S)
-    state.fetch_quarantine(fid)  # a GET into it timed out: it may still be written
+    state.consumer.relay_landed(REMOTE, 1024)
+    lease_id, _ = state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
+    state.consumer.fetch_quarantine(fid)  # a GET into it timed out: it may still be written
     fx = Effects()
-    state.relay_leave(REMOTE, lease_id, 0.1, fx)
-    assert freed(fx) == [] and state.holder_of(Buf(1)) == "quarantine"
+    state.consumer.relay_leave(REMOTE, lease_id, 0.1, fx)
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == "quarantine"
     state.validate()
 
 
 def test_a_copy_the_owner_counts_outlives_its_readers_until_the_handle_ends() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
-    slot = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    slot = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE)
     local = DataHandle(WORKER, slot.slot_id)
-    lease = state.store.acquire(local, 0.0, kind="local", holder_pid=PID)
+    lease = state.owner.local_acquire(local, PID, "detach", 0.0)[1]
     fx = Effects()
-    state.lease_end(local, lease.lease_id, False, 0.1, fx)
-    assert state.copy_for(REMOTE) is not None and freed(fx) == []  # kept for the owner
-    state.copy_ended(REMOTE, 0.2, fx)
-    assert state.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
+    state.owner.lease_end(local, lease.lease_id, False, 0.1, fx)
+    assert state.consumer.copy_for(REMOTE) is not None and freed(fx) == []  # kept for the owner
+    state.consumer.copy_ended(REMOTE, 0.2, fx)
+    assert state.consumer.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
     state.validate()
 
 
 def test_a_kept_copy_nobody_reads_ends_after_its_idle_bound() -> None:
     """The owner's word may never come (its agent died): an unread kept copy goes anyway."""
-    state = OwnerState(WORKER)
-    slot = state.fetch_stage(filling(state), 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    state = AgentStates.new(WORKER)
+    slot = state.consumer.fetch_stage(
+        filling(state), 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE
+    )
     local = DataHandle(WORKER, slot.slot_id)
     fx = Effects()
     for start in (0.0, 30.0):  # read twice: the bound counts from the last reader's end
-        lease = state.store.acquire(local, start, kind="local", holder_pid=PID)
-        state.lease_end(local, lease.lease_id, False, start + 1.0, fx)
+        lease = state.owner.local_acquire(local, PID, "detach", start)[1]
+        state.owner.lease_end(local, lease.lease_id, False, start + 1.0, fx)
     assert state.next_due() == 31.0 + KEPT_IDLE_S
     state.sweep(30.0 + KEPT_IDLE_S, fx)
-    assert freed(fx) == [] and state.copy_for(REMOTE) is not None
+    assert freed(fx) == [] and state.consumer.copy_for(REMOTE) is not None
     state.sweep(31.0 + KEPT_IDLE_S, fx)
-    assert freed(fx) == [Buf(1)] and state.copy_for(REMOTE) is None
+    assert freed(fx) == [Buf(1)] and state.consumer.copy_for(REMOTE) is None
     state.validate()
 
 
 def test_a_copy_whose_handle_ended_while_it_filled_goes_with_its_last_reader() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
     fx = Effects()
-    state.copy_ended(REMOTE, 0.0, fx)  # before the copy is complete
-    slot = state.fetch_stage(fid, 4096, RAW, "pooled", 0.0, copy_of=REMOTE)
+    state.consumer.copy_ended(REMOTE, 0.0, fx)  # before the copy is complete
+    slot = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE)
     local = DataHandle(WORKER, slot.slot_id)
-    lease = state.store.acquire(local, 0.0, kind="local", holder_pid=PID)
-    state.lease_end(local, lease.lease_id, False, 0.1, fx)
-    assert state.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
+    lease = state.owner.local_acquire(local, PID, "detach", 0.0)[1]
+    state.owner.lease_end(local, lease.lease_id, False, 0.1, fx)
+    assert state.consumer.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
 
 
 def test_shutdown_gives_every_copy_back_readers_or_not() -> None:
-    state = OwnerState(WORKER)
+    state = AgentStates.new(WORKER)
     fid = filling(state)
-    state.relay_join(REMOTE, 0.0, LEASE_S)
+    state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
     fx = Effects()
-    state.fetch_give_back(fid, fx)
+    state.consumer.fetch_give_back(fid, fx)
     fid2 = filling(state, OTHER, 2)
-    state.relay_join(OTHER, 0.0, LEASE_S)
+    state.consumer.relay_join(OTHER, 0.0, LEASE_S)
     state.clear(0.1, fx)
     assert sorted(b.n for b in freed(fx)) == [1, 2]
-    assert fid2 and not state.holders
+    assert fid2 and not state.owner.ledger.held()
     state.validate()
 
 
@@ -211,7 +215,7 @@ class RelayMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         # a fixed id key: hypothesis replays a run step for step, lease ids included
-        self.state = OwnerState(WORKER, id_key=bytes(16))
+        self.state = AgentStates.new(WORKER, id_key=bytes(16))
         self.now = 0.0
         self.next_buf = 0
         self.returned: set[tuple[str, int]] = set()
@@ -229,19 +233,19 @@ class RelayMachine(RuleBasedStateMachine):
     @rule(remote=st.sampled_from([REMOTE, OTHER]))
     def fill(self, remote: DataHandle) -> None:
         self.next_buf += 1
-        fid = self.state.fetch_take(Buf(self.next_buf), True)
-        if self.state.relay_open(remote, fid, 4096):
+        fid = self.state.consumer.fetch_take(Buf(self.next_buf), True)
+        if self.state.consumer.relay_open(remote, fid, 4096):
             self.filling[fid] = remote
         else:
             fx = Effects()
-            self.state.fetch_give_back(fid, fx)
+            self.state.consumer.fetch_give_back(fid, fx)
             self._apply(fx)
 
     @rule(data=st.data(), landed=st.integers(0, 4096))
     def land(self, data: st.DataObject, landed: int) -> None:
         if self.filling:
             fid = data.draw(st.sampled_from(sorted(self.filling)))
-            self.state.relay_landed(self.filling[fid], landed)
+            self.state.consumer.relay_landed(self.filling[fid], landed)
 
     @rule(data=st.data(), outcome=st.sampled_from(["stage", "give_back", "quarantine"]))
     def finish(self, data: st.DataObject, outcome: str) -> None:
@@ -251,21 +255,23 @@ class RelayMachine(RuleBasedStateMachine):
         remote = self.filling.pop(fid)
         fx = Effects()
         if outcome == "stage":
-            slot = self.state.fetch_stage(fid, 4096, RAW, "pooled", self.now, copy_of=remote)
+            slot = self.state.consumer.fetch_stage(
+                fid, 4096, RAW, "pooled", self.now, Effects(), copy_of=remote
+            )
             local = DataHandle(WORKER, slot.slot_id)
-            lease = self.state.store.acquire(local, self.now, kind="local", holder_pid=PID)
+            lease = self.state.owner.local_acquire(local, PID, "detach", self.now)[1]
             self.locals.append((local, lease.lease_id))
         elif outcome == "give_back":
-            self.state.fetch_give_back(fid, fx)
+            self.state.consumer.fetch_give_back(fid, fx)
         else:
-            self.state.fetch_quarantine(fid)
+            self.state.consumer.fetch_quarantine(fid)
         self._apply(fx)
 
     @rule(remote=st.sampled_from([REMOTE, OTHER]))
     def join(self, remote: DataHandle) -> None:
         with contextlib.suppress(HandleNotFound):
-            lease_id, relay = self.state.relay_join(remote, self.now, LEASE_S)
-            buffer = self.state.relay_buffer(relay)
+            lease_id, relay = self.state.consumer.relay_join(remote, self.now, LEASE_S)
+            buffer = self.state.consumer.relay_buffer(relay)
             self.readers[(remote, lease_id)] = (buffer.key, self.now + LEASE_S)
 
     @rule(data=st.data(), leave=st.booleans())
@@ -277,10 +283,10 @@ class RelayMachine(RuleBasedStateMachine):
         fx = Effects()
         if leave:
             del self.readers[(remote, lease_id)]
-            self.state.relay_leave(remote, lease_id, self.now, fx)
+            self.state.consumer.relay_leave(remote, lease_id, self.now, fx)
         else:
             try:
-                self.state.relay_renew(remote, lease_id, self.now, LEASE_S)
+                self.state.consumer.relay_renew(remote, lease_id, self.now, LEASE_S)
                 self.readers[(remote, lease_id)] = (key, self.now + LEASE_S)
             except LeaseNotFound:
                 assert due <= self.now, "a live relay lease was lost"
@@ -293,13 +299,13 @@ class RelayMachine(RuleBasedStateMachine):
             local, lease_id = self.locals.pop(data.draw(st.integers(0, len(self.locals) - 1)))
             fx = Effects()
             with contextlib.suppress(HandleNotFound):
-                self.state.lease_end(local, lease_id, False, self.now, fx)
+                self.state.owner.lease_end(local, lease_id, False, self.now, fx)
             self._apply(fx)
 
     @rule(remote=st.sampled_from([REMOTE, OTHER]))
     def owner_ends_handle(self, remote: DataHandle) -> None:
         fx = Effects()
-        self.state.copy_ended(remote, self.now, fx)
+        self.state.consumer.copy_ended(remote, self.now, fx)
         self._apply(fx)
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0]))

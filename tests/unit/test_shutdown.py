@@ -134,7 +134,7 @@ def test_a_get_admitted_before_the_gate_keeps_the_registered_memory_until_its_le
     registered = owner.info()["registered_bytes"]
 
     stopping = Shutdown(owner, timeout_s=20.0)
-    eventually(lambda: owner.core.state.store.draining, "the gate closed")
+    eventually(lambda: owner.core.state.counts().draining, "the gate closed")
     # The GET still reads the registered bytes: they stay mapped and unchanged.
     time_limit = time.monotonic() + 0.3
     while time.monotonic() < time_limit:
@@ -173,7 +173,7 @@ def test_after_the_gate_nothing_new_is_staged_and_acquires_answer_chunked(pair: 
     handle = pair.put(payload(MiB))
     chunked = chunked_acquire(owner, handle)  # holds the drain open
     stopping = Shutdown(owner, timeout_s=20.0)
-    eventually(lambda: owner.core.state.store.draining, "the gate closed")
+    eventually(lambda: owner.core.state.counts().draining, "the gate closed")
     with pytest.raises(StagingError, match="shutting down"):
         owner.stage_reserve(MiB, True, pair.pid)
     late = decode_acquire_response(

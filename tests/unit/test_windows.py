@@ -311,7 +311,7 @@ def test_a_get_that_may_still_write_keeps_its_window_registered(windowed: AgentP
     consumer = windowed.consumer.core
     assert consumer.memory.registrar.live_registrations == 1
     assert consumer.memory.budget.registered_bytes == 1 * MiB
-    assert consumer.state.quarantined_bytes >= 20 * MiB
+    assert consumer.state.ledger.quarantined_bytes >= 20 * MiB
 
 
 def test_a_leases_windows_are_unregistered_before_its_slot_goes_back(
@@ -322,7 +322,7 @@ def test_a_leases_windows_are_unregistered_before_its_slot_goes_back(
     log: list[tuple[str, int]] = []
     watch(windowed.owner, log)
     handle = windowed.put(payload(20 * MiB))
-    slot_address = windowed.owner.core.state.store.slot(handle).location.address
+    slot_address = windowed.owner.core.state.slot(handle).location.address
     offer = RdmaOffer(("ucx",), windows=True)
     request = AcquireRequest(handle, rdma=offer, claim=True, consumer_node="node-b",
                              consumer_worker=windowed.consumer.worker_id)  # fmt: skip

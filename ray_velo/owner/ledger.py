@@ -1,0 +1,154 @@
+"""The buffer ledger: who holds each pool buffer an agent handed out, one truth for its whole
+state (docs/architecture.md §4).
+
+Every pool buffer the agent has handed out is in the ledger under exactly one holder, and
+moves between holders only through :class:`BufferLedger`:
+
+    reservation:<rid>   a producer writes it (rv.put, a SendBuffer, or a PinnedWriter,
+                        which a fetch may fill); the process's side: ray_velo/writable.py
+    slot:<id>           a staged slot's bytes
+    parked:<id>         a freed slot's bytes, waiting for a copy out of them to end
+    grace:<id>          a freed slot's bytes, waiting out the pull grace
+    demoted:<id>        shutdown moved the slot to plain memory; its registered bytes wait
+                        for the GETs admitted before the gate
+    quarantine          memory a timed-out GET may still write: never given back
+    fetch:<id>          the destination of a fetch (or a copy) in progress
+    relayed:<id>        a failed fetch's bytes, waiting for the other nodes reading them
+
+The owner's state (:mod:`ray_velo.owner.state`) holds the first six kinds, the node's
+consumer-side state (:mod:`ray_velo.consumer.state`) the last two; a buffer crosses from one
+to the other only by :meth:`BufferLedger.move`, which checks who held it. A buffer leaves the
+ledger only to go back to its pool (``Effects.free``), once: a second give-back, or a move
+from the wrong holder, raises before the double free happens. Each side's ``validate()``
+rebuilds its part of the ledger from its own tables and compares (:meth:`BufferLedger.check`).
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from ray_velo.protocol.handle import DataHandle
+
+if TYPE_CHECKING:
+    from ray_velo.memory.windows import WindowSet
+
+__all__ = ["Anchor", "Buffer", "BufferLedger", "Effects", "Holdings"]
+
+
+class Buffer(Protocol):
+    """A range of a pool's memory (``memory.pool.Placement`` in the agent)."""
+
+    @property
+    def key(self) -> tuple[str, int]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class Anchor(Protocol):
+    """A region's in-flight anchor (``memory.region.Anchor``): released once, when the slot
+    staged over it has no reader left."""
+
+    def release(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Effects:
+    """What the caller performs, outside the lock, after a call.
+
+    ``free``: (buffer, pinned) pairs to give back to the pinned or plain pool, in order.
+    ``anchors``: region in-flight anchors to release. ``poke``: a deadline may have moved:
+    let the timer look again. ``copy_ends``: (handle, node, worker) of copies on other nodes
+    whose agents must hear that the handle ended. ``windows``: window sets of ended RDMA
+    leases (``ray_velo.memory.windows``), closed before anything in ``free`` goes back.
+    """
+
+    free: list[tuple[Buffer, bool]] = field(default_factory=list)
+    windows: list[WindowSet] = field(default_factory=list)
+    anchors: list[Anchor] = field(default_factory=list)
+    poke: bool = False
+    copy_ends: list[tuple[DataHandle, str, int]] = field(default_factory=list)
+
+
+#: Expected holdings of one side: buffer key -> holder.
+Holdings = dict[tuple[str, int], str]
+
+
+class BufferLedger:
+    """Buffer key -> its one holder (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._holders: Holdings = {}
+        #: Memory a timed-out GET may still write, (buffer, pinned): never given back (the
+        #: pool's close unmaps it with the process).
+        self.quarantined: list[tuple[Buffer, bool]] = []
+
+    def hold(self, buffer: Buffer, holder: str) -> None:
+        """``buffer`` leaves its pool for ``holder``."""
+        key = buffer.key
+        if key in self._holders:
+            raise AssertionError(f"buffer {key} handed to {holder}, already {self._holders[key]}")
+        self._holders[key] = holder
+
+    def move(self, buffer: Buffer, source: str, target: str) -> None:
+        """``buffer`` passes from ``source`` (who must hold it) to ``target``."""
+        current = self._holders.get(buffer.key)
+        if current != source:
+            raise AssertionError(f"buffer {buffer.key} moved from {source}, held by {current}")
+        self._holders[buffer.key] = target
+
+    def give_back(self, buffer: Buffer, source: str, pinned: bool, fx: Effects) -> None:
+        """``source`` gives ``buffer`` back to its (pinned or plain) pool, in ``fx``."""
+        current = self._holders.get(buffer.key)
+        if current != source:
+            raise AssertionError(
+                f"buffer {buffer.key} given back by {source}, held by {current} (double free?)"
+            )
+        del self._holders[buffer.key]
+        fx.free.append((buffer, pinned))
+
+    def quarantine(self, buffer: Buffer, pinned: bool, source: str) -> None:
+        """``source`` gives ``buffer`` up to the quarantine: a timed-out GET may still write
+        it, so it never goes back to a pool."""
+        self.move(buffer, source, "quarantine")
+        self.quarantined.append((buffer, pinned))
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer, _ in self.quarantined)
+
+    def holder_of(self, buffer: Buffer) -> str | None:
+        """Who holds ``buffer`` now (None: its pool)."""
+        return self._holders.get(buffer.key)
+
+    def check(self, kinds: tuple[str, ...], expected: Holdings) -> None:
+        """The entries whose holder is of one of ``kinds`` (``"slot"``, ``"fetch"``...) must be
+        exactly ``expected``: no buffer lost, none held twice, none held by a stranger.
+
+        Raises:
+            AssertionError: they differ; the message names the buffers.
+        """
+        recorded = {k: v for k, v in self._holders.items() if v.split(":")[0] in kinds}
+        if expected != recorded:
+            missing = {k: v for k, v in expected.items() if recorded.get(k) != v}
+            extra = {k: v for k, v in recorded.items() if expected.get(k) != v}
+            raise AssertionError(f"ledger disagrees: expected {missing}, recorded {extra}")
+        unknown = {v for v in self._holders.values() if v.split(":")[0] not in _KINDS}
+        if unknown:
+            raise AssertionError(f"ledger holders of no known kind: {sorted(unknown)}")
+        quarantined = {buffer.key: "quarantine" for buffer, _ in self.quarantined}
+        held = {k: v for k, v in self._holders.items() if v == "quarantine"}
+        if len(quarantined) != len(self.quarantined) or quarantined != held:
+            raise AssertionError(f"quarantine {sorted(quarantined)} != ledger {sorted(held)}")
+
+    def held(self) -> set[tuple[str, int]]:
+        """The keys of every buffer out of its pool."""
+        return set(self._holders)
+
+
+#: Every kind of holder (the module docstring's table).
+_KINDS = frozenset(
+    ("reservation", "slot", "parked", "grace", "demoted", "quarantine", "fetch", "relayed")
+)

@@ -1,0 +1,102 @@
+"""The agent's three pure state objects, built together over one buffer ledger.
+
+The owner's state (:class:`~ray_velo.owner.state.OwnerState`: slots, leases, the buffers
+under them), its producers' reservations (:class:`~ray_velo.owner.reservations.Reservations`)
+and the node's consumer-side state (:class:`~ray_velo.consumer.state.ConsumerState`:
+destinations, copies, relays, claims). The agent's core holds them (ray_velo/core.py); unit
+tests build them here without an agent. The timer's sweep, the reaping of dead processes and
+shutdown's clear reach all three, in the order written here. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ray_velo.consumer.state import ConsumerState
+from ray_velo.owner.ledger import Effects
+from ray_velo.owner.reservations import Reservations
+from ray_velo.owner.state import PULL_GRACE_S, OwnerState
+from ray_velo.protocol.handle import DataHandle
+
+__all__ = ["AgentStates", "Reaped"]
+
+
+@dataclass(slots=True)
+class Reaped:
+    """What the death of processes leaves the caller to do: give back ``unclaim`` (one
+    entry per claim) to the handles' owners, and wake whoever waits for the commit of
+    ``never_committed`` slots."""
+
+    unclaim: list[DataHandle] = field(default_factory=list)
+    never_committed: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStates:
+    """One agent's state objects (see the module docstring)."""
+
+    owner: OwnerState
+    reservations: Reservations
+    consumer: ConsumerState
+
+    @classmethod
+    def over(cls, owner: OwnerState) -> AgentStates:
+        """The reservations and the consumer-side state over ``owner`` (and its ledger)."""
+        return cls(owner, Reservations(owner), ConsumerState(owner, owner.id_key))
+
+    @classmethod
+    def new(
+        cls,
+        worker_id: int,
+        node: str = "",
+        *,
+        pull_grace_s: float = PULL_GRACE_S,
+        id_key: bytes | None = None,
+    ) -> AgentStates:
+        """Fresh state objects for agent incarnation ``worker_id`` (``id_key``: the key of
+        its slot, lease and relay-lease ids; random by default, a test passes one to replay
+        a run)."""
+        return cls.over(OwnerState(worker_id, node, pull_grace_s=pull_grace_s, id_key=id_key))
+
+    def sweep(self, now: float, fx: Effects) -> int:
+        """Expire TTLs, lease deadlines, pull graces, relay leases and idle kept copies.
+        Returns the RDMA leases reaped."""
+        rdma_reaped, _ = self.owner.sweep(now, fx)
+        self.consumer.sweep(now, fx)
+        return rdma_reaped
+
+    def next_due(self) -> float | None:
+        """When :meth:`sweep` has something to do next (None: nothing is timed)."""
+        due = [d for d in (self.owner.next_due(), self.consumer.next_due()) if d is not None]
+        return min(due, default=None)
+
+    def watched_pids(self) -> set[int]:
+        """Processes whose death matters: readers, producers, claimers, followed producers."""
+        pids = self.owner.watched_pids() | self.reservations.pids() | self.consumer.claim_pids()
+        return pids - {0}
+
+    def reap(self, dead: Iterable[int], now: float, fx: Effects) -> Reaped:
+        """Processes ``dead`` died: their leases, reservations and claims end."""
+        dead = set(dead)
+        self.owner.reap(dead, now, fx)
+        never_committed = self.reservations.reap(dead, fx)
+        return Reaped(self.consumer.reap(dead), never_committed)
+
+    def clear(self, now: float, fx: Effects) -> int:
+        """Shutdown: every reservation, destination, copy and slot ends and its buffer goes
+        back (not the quarantined ones). Returns the slots freed."""
+        self.reservations.clear(fx)
+        self.consumer.clear(fx)
+        return self.owner.clear(now, fx)
+
+    def validate(self) -> None:
+        """Each object checks its invariants and its part of the ledger (together: all of
+        it).
+
+        Raises:
+            AssertionError: an invariant is broken; the message names it.
+        """
+        self.owner.validate()
+        self.reservations.validate()
+        self.consumer.validate()
