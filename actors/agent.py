@@ -13,8 +13,8 @@ the node's memory, metrics, the UCX backend) and the roles that share it:
 It owns the timer (one :class:`~ray_velo.actors.ticker.Ticker` for every deadline, liveness
 check and reclamation) and the shutdown order. The class is plain Python; :mod:`ray_velo.actors`
 wraps it with ``ray.remote`` as an asyncio actor (short calls on its event loop, the rest on
-its threads, so a long pull never blocks an acquire). Its methods are the Ray entry points,
-each a one-line delegation.
+its threads, so a long pull never blocks an acquire). Its entry points are declared once in
+:mod:`ray_velo.entry`, each served by a method of one of its roles (:meth:`RendezvousAgent.entry`).
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ from ray_velo.config import VeloConfig
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
 from ray_velo.core import AgentCore
+from ray_velo.entry import BY_NAME
 from ray_velo.errors import VeloError
 from ray_velo.local.producers import ProducerService
 from ray_velo.local.readers import ReaderService
-from ray_velo.local.records import LocalLease, RegionInfo, Reservation
+from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.local.regions import RegionService
 from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segments
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
 from ray_velo.owner.state import OwnerState, RegionSlot
-from ray_velo.protocol import DataHandle, TypeHeader, kill_switch_engaged
+from ray_velo.protocol import kill_switch_engaged
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
 from ray_velo.wire_auth import WireAuth
@@ -329,108 +330,27 @@ class RendezvousAgent:
         with self.core.lock:
             self.core.faults[name] = value
 
-    # --- same-node producers and readers ---------------------------------------------
+    # --- entry points --------------------------------------------------------------
 
-    def stage_reserve(
-        self, nbytes: int, pinned: bool, pid: int, may_map: bool = True
-    ) -> Reservation | None:
-        return self.producers.reserve(nbytes, pinned, pid, may_map)
+    def entry(self, name: str) -> Callable[..., Any]:
+        """The method that serves entry point ``name`` (declared in :mod:`ray_velo.entry`:
+        a role's method, or one of the agent's own).
 
-    def stage_commit(
-        self, reservation_id: int, nbytes: int, type_header: TypeHeader, ttl: float | None,
-        refcount: int, follow_producer: bool = False, job: str = "", detached: bool = False,
-    ) -> DataHandle:  # fmt: skip
-        return self.producers.commit(
-            reservation_id, nbytes, type_header, ttl, refcount, follow_producer, job, detached
-        )
-
-    def stage_abort(self, reservation_id: int) -> None:
-        self.producers.abort(reservation_id)
-
-    def local_acquire(self, handle: DataHandle, pid: int, mode: str = "detach") -> LocalLease:
-        return self.readers.acquire(handle, pid, mode)  # type: ignore[arg-type]
-
-    def local_end(self, handle: DataHandle, lease_id: int, release: bool) -> None:
-        self.readers.end(handle, lease_id, release)
-
-    # --- the seven handlers (owner side) ---------------------------------------------
-
-    def _rv_metadata(self, data: bytes) -> bytes:
-        return self.owner._rv_metadata(data)
-
-    def _rv_acquire(self, data: bytes) -> bytes:
-        return self.owner._rv_acquire(data)
-
-    def _rv_pull(self, data: bytes) -> Any:
-        return self.owner._rv_pull(data)
-
-    def _rv_ref(self, data: bytes) -> int:
-        return self.owner._rv_ref(data)
-
-    def _rv_detach(self, data: bytes) -> None:
-        self.owner._rv_detach(data)
-
-    def _rv_release(self, data: bytes) -> None:
-        self.owner._rv_release(data)
-
-    def _rv_lease_renew(self, data: bytes) -> None:
-        self.owner._rv_lease_renew(data)
-
-    # --- copies on other nodes -------------------------------------------------------
-
-    def _rv_copy(self, data: bytes) -> None:
-        self.consumer.copy_notice(data)
-
-    def _rv_relay(self, data: bytes) -> bytes:
-        return self.consumer.relays.serve(data)
-
-    def _rv_relay_end(self, data: bytes) -> None:
-        self.consumer.relays.end(data)
-
-    def _rv_window(self, data: bytes) -> bytes:
-        return self.owner._rv_window(data)
-
-    # --- caller-owned regions --------------------------------------------------------
-
-    def region_alloc(self, nbytes: int, pid: int) -> RegionInfo:
-        return self.regions.alloc(nbytes, pid)
-
-    def region_stage(
-        self, region_id: int, start: int, stop: int, type_header: TypeHeader, ttl: float | None,
-        job: str = "", detached: bool = False,
-    ) -> DataHandle:  # fmt: skip
-        return self.regions.stage(region_id, start, stop, type_header, ttl, job, detached)
-
-    def region_unregister(self, region_id: int, timeout_s: float) -> str:
-        return self.regions.unregister(region_id, timeout_s)
-
-    def region_deregistered(self, region_id: int, timeout_s: float | None) -> bool:
-        return self.regions.deregistered(region_id, timeout_s)
-
-    # --- consumer side and routing ---------------------------------------------------
-
-    def fetch_remote(
-        self, handle: DataHandle, mode: str, timeout_s: float | None, pid: int, bound: str,
-        into_reservation: int = 0,
-    ) -> LocalLease:  # fmt: skip
-        return self.consumer.fetch(handle, mode, timeout_s, pid, bound, into_reservation)  # type: ignore[arg-type]
-
-    def claim_end(self, handle: DataHandle, consume: bool, pid: int) -> None:
-        self.consumer.claim_end(handle, consume, pid)
-
-    def release_quietly(self, handle: DataHandle) -> None:
-        self.consumer.release_quietly(handle)
-
-    def route(self, handle: DataHandle, method: str, data: bytes, timeout_s: float | None) -> Any:
-        return self.consumer.route(handle, method, data, timeout_s)
+        Raises:
+            ValueError: no entry point has that name.
+        """
+        declared = BY_NAME.get(name)
+        if declared is None:
+            raise ValueError(f"unknown entry point {name!r}")
+        target: Any = self
+        for part in declared.serves.split("."):
+            target = getattr(target, part)
+        return target  # type: ignore[no-any-return]
 
     def ucx_address(self) -> tuple[int, bytes | None]:
         """(worker id, UCX worker address or None without UCX), for peers to wire up."""
         rdma = self.core.rdma
         return self.worker_id, None if rdma is None else rdma.address
-
-    def register_peers(self, addresses: dict[str, tuple[int, bytes | None]]) -> int:
-        return self.peers.register(addresses)
 
     # --- the timer -------------------------------------------------------------------
 

@@ -141,14 +141,14 @@ class _RendezvousActor:
         self.agent.core.metrics.wire_auth_failed(reason)
 
     async def _wire_call(self, method: str, message: bytes) -> Any:
-        return await self.quick(getattr(self.agent, method), message)
+        return await self.quick(self.agent.entry(method), message)
 
     async def _channel_call(self, method: str, args: tuple[Any, ...]) -> Any:
         if method == "fetch_remote":
             return await self.fetch_remote(*args)
         if method in _QUICK_METHODS:
-            return await self.quick(getattr(self.agent, method), *args)
-        return await self.blocking(getattr(self.agent, method), *args)
+            return await self.quick(self.agent.entry(method), *args)
+        return await self.blocking(self.agent.entry(method), *args)
 
     async def info(self) -> dict[str, Any]:
         """The agent's identity and counters, and the path of its socket ("": none)."""
@@ -240,12 +240,12 @@ def _delegate(name: str, quick: bool) -> Any:
     if quick:
 
         async def call(self: _RendezvousActor, *args: Any) -> Any:
-            return await self.quick(getattr(self.agent, name), *args)
+            return await self.quick(self.agent.entry(name), *args)
 
     else:
 
         async def call(self: _RendezvousActor, *args: Any) -> Any:
-            return await self.blocking(getattr(self.agent, name), *args)
+            return await self.blocking(self.agent.entry(name), *args)
 
     call.__name__ = call.__qualname__ = name
     return call

@@ -1,12 +1,15 @@
 """The agent's entry points, each declared once.
 
 Every call a process or another agent can make to a node's agent is one :class:`Entry`: its
-name (the agent method that serves it), where it runs (the agent's event loop for a short
-change of state, its threads for anything that may wait, or a coroutine of the actor), which
-carriers take it besides Ray (the node's Unix socket, as a call or a notice; the agents' TCP
+name, the method of the agent's roles that serves it, where it runs (the agent's event loop
+for a short change of state, its threads for anything that may wait, or a coroutine of the
+actor), which carriers take it besides Ray (the node's Unix socket, as a call or a notice; the agents' TCP
 wire, under a number), and whether it is one of the owner's handlers. The actor's methods,
 the wire's method numbers, the socket's dispatch and the owner's handler set are all derived
-from :data:`ENTRIES`: a new entry point is one line here and one method on the agent.
+from :data:`ENTRIES`: a new entry point is one line here and one method of the role that
+serves it (``RendezvousAgent.entry`` finds it). One name per concept: an entry is named for
+what it does where the caller stands (``local_end``: a same-node reader's lease ends), the
+method for what its role does (``ReaderService.end``).
 
 Wire numbers are the wire format: an entry keeps its number forever and a new one takes the
 next free number, so an older agent refuses a newer method as unknown and never misreads it.
@@ -20,6 +23,7 @@ from typing import Literal
 
 __all__ = [
     "BLOCKING",
+    "BY_NAME",
     "CHANNEL_CALLS",
     "CHANNEL_NOTICES",
     "ENTRIES",
@@ -38,6 +42,8 @@ Socket = Literal["", "call", "notice", "ordered"]
 class Entry:
     """One entry point of the agent.
 
+    ``serves``: the method that runs it, as a path from the agent (``"producers.reserve"``:
+    ``agent.producers.reserve``; a bare name is a method of the agent itself).
     ``runs``: ``loop`` (a short change of the agent's state, run on its event loop and moved
     to its threads only if it reaches a step that may block), ``threads`` (it may wait on
     peers, map or copy) or ``coroutine`` (an async method of the actor itself).
@@ -48,6 +54,7 @@ class Entry:
     """
 
     name: str
+    serves: str
     runs: Runs
     socket: Socket = ""
     wire: int | None = None
@@ -56,46 +63,49 @@ class Entry:
 
 ENTRIES: tuple[Entry, ...] = (
     # a producer on the node: reserve shared memory, commit it as a slot, or give it back
-    Entry("stage_reserve", "loop", socket="call"),
-    Entry("stage_commit", "loop", socket="ordered"),
-    Entry("stage_abort", "loop", socket="ordered"),
+    Entry("stage_reserve", "producers.reserve", "loop", socket="call"),
+    Entry("stage_commit", "producers.commit", "loop", socket="ordered"),
+    Entry("stage_abort", "producers.abort", "loop", socket="ordered"),
     # a reader on the node: a lease on a slot it reads in place, and its end
-    Entry("local_acquire", "loop", socket="call"),
-    Entry("local_end", "loop", socket="ordered"),
+    Entry("local_acquire", "readers.acquire", "loop", socket="call"),
+    Entry("local_end", "readers.end", "loop", socket="ordered"),
     # a process's fetch from another node (its waits on the owner hold no thread)
-    Entry("fetch_remote", "coroutine", socket="call"),
+    Entry("fetch_remote", "consumer.fetch", "coroutine", socket="call"),
     # a consuming call's claims, and a release nobody waits for
-    Entry("claim_end", "threads", socket="notice"),
-    Entry("release_quietly", "threads", socket="notice"),
-    # the owner's handlers (the spec's seven and the windows), as other agents call them
-    Entry("_rv_metadata", "loop", wire=0, owner=True),
-    Entry("_rv_acquire", "loop", wire=1, owner=True),
-    Entry("_rv_ref", "loop", wire=2, owner=True),
-    Entry("_rv_detach", "loop", wire=3, owner=True),
-    Entry("_rv_release", "loop", wire=4, owner=True),
-    Entry("_rv_lease_renew", "loop", wire=5, owner=True),
-    Entry("_rv_pull", "threads", owner=True),  # moves chunks: stays a Ray call
-    Entry("_rv_window", "loop", wire=9, owner=True),
+    Entry("claim_end", "consumer.claim_end", "threads", socket="notice"),
+    Entry("release_quietly", "consumer.release_quietly", "threads", socket="notice"),
+    # the owner's handlers (the protocol's seven and the windows), as other agents call them
+    Entry("_rv_metadata", "owner._rv_metadata", "loop", wire=0, owner=True),
+    Entry("_rv_acquire", "owner._rv_acquire", "loop", wire=1, owner=True),
+    Entry("_rv_ref", "owner._rv_ref", "loop", wire=2, owner=True),
+    Entry("_rv_detach", "owner._rv_detach", "loop", wire=3, owner=True),
+    Entry("_rv_release", "owner._rv_release", "loop", wire=4, owner=True),
+    Entry("_rv_lease_renew", "owner._rv_lease_renew", "loop", wire=5, owner=True),
+    Entry("_rv_pull", "owner._rv_pull", "threads", owner=True),  # chunks: stays a Ray call
+    Entry("_rv_window", "owner._rv_window", "loop", wire=9, owner=True),
     # node-local copies read by other nodes (broadcast)
-    Entry("_rv_copy", "loop", wire=6),
-    Entry("_rv_relay", "loop", wire=7),
-    Entry("_rv_relay_end", "loop", wire=8),
+    Entry("_rv_copy", "consumer.copy_notice", "loop", wire=6),
+    Entry("_rv_relay", "consumer.relays.serve", "loop", wire=7),
+    Entry("_rv_relay_end", "consumer.relays.end", "loop", wire=8),
     # caller-owned regions
-    Entry("region_alloc", "threads"),
-    Entry("region_stage", "threads"),
-    Entry("region_unregister", "threads"),
-    Entry("region_deregistered", "threads"),
+    Entry("region_alloc", "regions.alloc", "threads"),
+    Entry("region_stage", "regions.stage", "threads"),
+    Entry("region_unregister", "regions.unregister", "threads"),
+    Entry("region_deregistered", "regions.deregistered", "threads"),
     # routing, peers, operation
-    Entry("route", "threads"),
-    Entry("ucx_address", "loop"),
-    Entry("register_peers", "threads"),
-    Entry("cleanup", "threads"),
-    Entry("status", "threads"),
-    Entry("inject_fault", "threads"),
-    Entry("info", "coroutine"),
-    Entry("ping", "coroutine"),
-    Entry("shutdown", "coroutine"),
+    Entry("route", "consumer.route", "threads"),
+    Entry("ucx_address", "ucx_address", "loop"),
+    Entry("register_peers", "peers.register", "threads"),
+    Entry("cleanup", "cleanup", "threads"),
+    Entry("status", "status", "threads"),
+    Entry("inject_fault", "inject_fault", "threads"),
+    Entry("info", "info", "coroutine"),
+    Entry("ping", "ping", "coroutine"),
+    Entry("shutdown", "shutdown", "coroutine"),
 )
+
+#: Each entry by name.
+BY_NAME: dict[str, Entry] = {e.name: e for e in ENTRIES}
 
 _BY_WIRE = sorted((e.wire, e.name) for e in ENTRIES if e.wire is not None)
 #: The wire's methods in number order (index = number on the wire).
@@ -110,5 +120,7 @@ ORDERED_NOTICES = frozenset(e.name for e in ENTRIES if e.socket == "ordered")
 QUICK: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "loop")
 BLOCKING: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "threads")
 
+if len(BY_NAME) != len(ENTRIES):
+    raise AssertionError("two entries share a name")
 if [number for number, _ in _BY_WIRE] != list(range(len(_BY_WIRE))):
     raise AssertionError(f"wire numbers must run 0..n-1 without a gap: {_BY_WIRE}")

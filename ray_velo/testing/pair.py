@@ -194,14 +194,14 @@ class AgentPair:
         detached = check_lifetime(lifetime)
         agent = self.owner if on == "owner" else self.consumer
         header, view = as_bytes_view(data)
-        reservation = agent.stage_reserve(view.nbytes, pinned, self.pid, not transparent)
+        reservation = agent.producers.reserve(view.nbytes, pinned, self.pid, not transparent)
         if reservation is None:
             raise LookupError("no mapped arena fits a transparent payload: it travels inline")
         if view.nbytes:
             dest = self.segments.view(reservation.path, reservation.offset, view.nbytes)
             np.frombuffer(dest, dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)
             del dest
-        return agent.stage_commit(
+        return agent.producers.commit(
             reservation.reservation_id, view.nbytes, header, ttl, consumers, False, job, detached
         )
 
@@ -210,7 +210,7 @@ class AgentPair:
     ) -> LocalLease:
         """The consumer's lease on the fetched bytes (the caller ends it with :meth:`end`)."""
         bound = "caller timeout" if timeout is not None else "unbounded"
-        return self.consumer.fetch_remote(handle, mode, timeout, self.pid, bound)
+        return self.consumer.consumer.fetch(handle, mode, timeout, self.pid, bound)  # type: ignore[arg-type]
 
     def read(self, lease: LocalLease) -> bytes:
         if not lease.total_len:
@@ -219,7 +219,7 @@ class AgentPair:
 
     def end(self, lease: LocalLease) -> None:
         """End a consumer lease as a collected view does."""
-        self.consumer.local_end(lease.handle, lease.lease_id, False)
+        self.consumer.readers.end(lease.handle, lease.lease_id, False)
 
     def fetch(
         self, handle: DataHandle, mode: str = "release", timeout: float | None = None
@@ -236,7 +236,7 @@ class AgentPair:
         agents' peers send it over the wire)."""
         for handle, node, worker in ends:
             if worker == self.consumer.worker_id:
-                self.consumer._rv_copy(encode(CopyNotice(handle, node, worker)))
+                self.consumer.consumer.copy_notice(encode(CopyNotice(handle, node, worker)))
 
     # --- time and state --------------------------------------------------------------
 

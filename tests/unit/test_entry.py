@@ -3,11 +3,15 @@ carriers' tables come from it, and the wire's numbers never move."""
 
 from __future__ import annotations
 
-from ray_velo.actors.agent import RendezvousAgent
+from pathlib import Path
+
+import pytest
+
 from ray_velo.entry import ENTRIES, OWNER_HANDLERS, WIRE_METHODS
 from ray_velo.local import channel
 from ray_velo.owner.service import HANDLERS, OwnerService
 from ray_velo.protocol import frames
+from ray_velo.testing import AgentPair
 
 #: The wire's numbers as agents of earlier versions send them: never renumbered.
 WIRE_AS_SHIPPED = (
@@ -16,18 +20,22 @@ WIRE_AS_SHIPPED = (
 )  # fmt: skip
 
 
-def test_every_entry_point_is_served() -> None:
-    """Each delegated entry is a method of the plain agent; each coroutine one, and every
-    delegation, a method of the Ray actor; each owner handler a method of the owner's
-    service. Names are unique."""
+def test_every_entry_point_is_served(tmp_path: Path) -> None:
+    """Each entry resolves, on a real agent, to a method of the role it names; each is a
+    method of the Ray actor; each owner handler a method of the owner's service. Names are
+    unique, and an unknown name is refused."""
     from ray_velo.actors.directory import _RendezvousActor
 
     names = [e.name for e in ENTRIES]
     assert len(names) == len(set(names))
-    for entry in ENTRIES:
-        assert callable(getattr(_RendezvousActor, entry.name, None)), entry.name
-        if entry.runs != "coroutine":
-            assert callable(getattr(RendezvousAgent, entry.name, None)), entry.name
+    with AgentPair(tmp_path) as pair:
+        for entry in ENTRIES:
+            assert callable(getattr(_RendezvousActor, entry.name, None)), entry.name
+            served = pair.owner.entry(entry.name)
+            assert callable(served), entry.name
+            assert served.__name__ == entry.serves.rsplit(".", 1)[-1], entry.name
+        with pytest.raises(ValueError, match="unknown entry point"):
+            pair.owner.entry("_rv_nonsense")
     assert all(callable(getattr(OwnerService, name, None)) for name in OWNER_HANDLERS)
 
 

@@ -68,15 +68,15 @@ def test_a_reservation_that_needs_a_new_arena_leaves_the_loop_untouched(pair: Ag
     owner, pid = pair.owner, os.getpid()
     arenas = owner.core.memory.pinned_pool.arenas  # type: ignore[union-attr]
     with on_loop(), pytest.raises(nonblocking.WouldBlock, match="mapping an arena"):
-        owner.stage_reserve(2 * MiB, True, pid)
+        owner.producers.reserve(2 * MiB, True, pid)
     assert owner.info()["reservations"] == 0
     assert owner.core.memory.pinned_pool.arenas == arenas  # type: ignore[union-attr]
-    first = owner.stage_reserve(2 * MiB, True, pid)  # on a thread: maps
-    owner.stage_abort(first.reservation_id)
+    first = owner.producers.reserve(2 * MiB, True, pid)  # on a thread: maps
+    owner.producers.abort(first.reservation_id)
     with on_loop():
-        second = owner.stage_reserve(1 * MiB, True, pid)
+        second = owner.producers.reserve(1 * MiB, True, pid)
     assert second is not None and second.path == first.path
-    owner.stage_abort(second.reservation_id)
+    owner.producers.abort(second.reservation_id)
 
 
 def test_the_kill_switch_fallback_is_counted_once_when_the_loop_hands_over(
@@ -86,9 +86,9 @@ def test_the_kill_switch_fallback_is_counted_once_when_the_loop_hands_over(
         owner = pair.owner
         owner.core.rdma_enabled = False
         with on_loop(), pytest.raises(nonblocking.WouldBlock):
-            owner.stage_reserve(MiB, True, os.getpid())
-        reservation = owner.stage_reserve(MiB, True, os.getpid())
-        owner.stage_abort(reservation.reservation_id)
+            owner.producers.reserve(MiB, True, os.getpid())
+        reservation = owner.producers.reserve(MiB, True, os.getpid())
+        owner.producers.abort(reservation.reservation_id)
         assert pair.owner_paths() == {"chunked/kill_switch": 1}
 
 
@@ -100,20 +100,20 @@ def test_a_call_naming_a_handle_still_being_committed_waits_off_the_loop(
     acquire runs on the loop."""
     owner, pid = pair.owner, os.getpid()
     pair.put(np.zeros(MiB, np.uint8))  # maps the arena
-    reservation = owner.stage_reserve(MiB, True, pid)
+    reservation = owner.producers.reserve(MiB, True, pid)
     handle = reservation.handle
     request = encode(AcquireRequest(handle))
     with on_loop():
         with pytest.raises(nonblocking.WouldBlock, match="commit"):
-            owner.local_acquire(handle, pid, "detach")
+            owner.readers.acquire(handle, pid, "detach")
         with pytest.raises(nonblocking.WouldBlock, match="commit"):
-            owner._rv_acquire(request)
+            owner.owner._rv_acquire(request)
     assert owner.info()["live_leases"] == 0
-    owner.stage_commit(reservation.reservation_id, MiB, TypeHeader(), None, 1)
+    owner.producers.commit(reservation.reservation_id, MiB, TypeHeader(), None, 1)
     with on_loop():
-        lease = owner.local_acquire(handle, pid, "release")
+        lease = owner.readers.acquire(handle, pid, "release")
     assert lease.total_len == MiB
-    owner.local_end(lease.handle, lease.lease_id, False)
+    owner.readers.end(lease.handle, lease.lease_id, False)
 
 
 def test_freeing_a_dedicated_arena_on_the_loop_is_deferred(pair: AgentPair) -> None:
@@ -126,7 +126,7 @@ def test_freeing_a_dedicated_arena_on_the_loop_is_deferred(pair: AgentPair) -> N
     used = owner.core.memory.pinned_used_bytes
     offloaded = Offloaded()
     with on_loop(offloaded):
-        owner._rv_release(encode(ReleaseRequest(handle, 0)))
+        owner.owner._rv_release(encode(ReleaseRequest(handle, 0)))
     assert owner.info()["live_slots"] == 0
     assert len(offloaded.work) == 1
     assert owner.core.memory.pinned_used_bytes == used  # not given back yet
@@ -136,12 +136,12 @@ def test_freeing_a_dedicated_arena_on_the_loop_is_deferred(pair: AgentPair) -> N
 
 def test_a_region_slot_is_copied_off_the_loop(pair: AgentPair) -> None:
     owner, pid = pair.owner, os.getpid()
-    info = owner.region_alloc(4 * MiB, pid)
-    handle = owner.region_stage(info.region_id, 0, MiB, TypeHeader(), None)
+    info = owner.regions.alloc(4 * MiB, pid)
+    handle = owner.regions.stage(info.region_id, 0, MiB, TypeHeader(), None)
     with on_loop(), pytest.raises(nonblocking.WouldBlock, match="region"):
-        owner.local_acquire(handle, pid, "detach")
+        owner.readers.acquire(handle, pid, "detach")
     assert owner.info()["live_leases"] == 0
-    lease = owner.local_acquire(handle, pid, "detach")  # on a thread: copies
+    lease = owner.readers.acquire(handle, pid, "detach")  # on a thread: copies
     assert lease.total_len == MiB
-    owner.local_end(lease.handle, lease.lease_id, False)
-    owner.region_unregister(info.region_id, 5.0)
+    owner.readers.end(lease.handle, lease.lease_id, False)
+    owner.regions.unregister(info.region_id, 5.0)

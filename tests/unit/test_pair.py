@@ -178,14 +178,14 @@ def test_a_get_past_its_bound_is_quarantined_not_freed(pair: AgentPair) -> None:
 
 def test_a_pinned_writer_under_an_unsafe_get_is_withdrawn(pair: AgentPair) -> None:
     assert pair.consumer_rdma is not None
-    writer = pair.consumer.stage_reserve(4 * MiB, True, os.getpid())
+    writer = pair.consumer.producers.reserve(4 * MiB, True, os.getpid())
     pair.consumer_rdma.unsafe_gets = 1
     handle = pair.put(payload(2 * MiB), ttl=60.0)
     with pytest.raises(StagingError, match="withdrawn"):
-        pair.consumer.fetch_remote(
+        pair.consumer.consumer.fetch(
             handle, "hold", None, os.getpid(), "unbounded", writer.reservation_id
         )
-    pair.consumer.stage_abort(writer.reservation_id)  # the writer's close frees nothing now
+    pair.consumer.producers.abort(writer.reservation_id)  # the writer's close frees nothing now
     assert pair.consumer.core.state.ledger.quarantined_bytes >= 4 * MiB
     pair.validate()
     assert pair.fetch(handle) == payload(2 * MiB)
@@ -193,16 +193,16 @@ def test_a_pinned_writer_under_an_unsafe_get_is_withdrawn(pair: AgentPair) -> No
 
 
 def test_get_into_a_pinned_writer_lands_in_it(pair: AgentPair) -> None:
-    writer = pair.consumer.stage_reserve(4 * MiB, True, os.getpid())
+    writer = pair.consumer.producers.reserve(4 * MiB, True, os.getpid())
     handle = pair.put(payload(3 * MiB))
-    lease = pair.consumer.fetch_remote(
+    lease = pair.consumer.consumer.fetch(
         handle, "hold", None, os.getpid(), "unbounded", writer.reservation_id
     )
     view = pair.segments.view(writer.path, writer.offset, 3 * MiB)
     assert bytes(view) == payload(3 * MiB)
     del view
     pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, lease.remote_lease_id)))
-    pair.consumer.stage_abort(writer.reservation_id)
+    pair.consumer.producers.abort(writer.reservation_id)
     nothing_left(pair)
 
 
@@ -212,9 +212,9 @@ def test_a_detaching_fetch_into_a_pinned_writer_ends_the_owners_lease_itself(
     """A tensor-transport receive lands the GET in the receiver's PinnedWriter and ends the
     owner's lease at once (``detach``): the owner holds no lease afterwards, the handle stays
     usable, and the writer holds the bytes until it is given back."""
-    writer = pair.consumer.stage_reserve(4 * MiB, True, os.getpid())
+    writer = pair.consumer.producers.reserve(4 * MiB, True, os.getpid())
     handle = pair.put(payload(3 * MiB), consumers=2)
-    lease = pair.consumer.fetch_remote(
+    lease = pair.consumer.consumer.fetch(
         handle, "detach", None, os.getpid(), "unbounded", writer.reservation_id
     )
     assert lease.remote_lease_id == 0
@@ -224,7 +224,7 @@ def test_a_detaching_fetch_into_a_pinned_writer_ends_the_owners_lease_itself(
     assert bytes(view) == payload(3 * MiB)
     del view
     assert pair.fetch(handle) == payload(3 * MiB)  # still usable
-    pair.consumer.stage_abort(writer.reservation_id)
+    pair.consumer.producers.abort(writer.reservation_id)
     pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
     nothing_left(pair)
 
@@ -274,8 +274,8 @@ def test_consumers_n_is_exact_with_a_node_local_copy(pair: AgentPair) -> None:
     for lease in (first, second):
         pair.end(lease)
     pid = os.getpid()
-    pair.consumer.claim_end(handle, True, pid)
-    pair.consumer.claim_end(handle, True, pid)
+    pair.consumer.consumer.claim_end(handle, True, pid)
+    pair.consumer.consumer.claim_end(handle, True, pid)
     with pytest.raises(HandleNotFound, match="released by its last consumer"):
         pair.fetch(handle)
     nothing_left(pair)
@@ -286,7 +286,7 @@ def test_a_claim_given_back_can_be_claimed_again(pair: AgentPair) -> None:
     handle = pair.put(payload(2 * MiB))
     lease = pair.lease(handle, "claim")
     pair.end(lease)
-    pair.consumer.claim_end(handle, False, os.getpid())
+    pair.consumer.consumer.claim_end(handle, False, os.getpid())
     assert pair.fetch(handle) == payload(2 * MiB)
     nothing_left(pair)
 
@@ -296,7 +296,7 @@ def test_a_dead_resolvers_claims_go_back(pair: AgentPair) -> None:
     sees it gone, ends its lease and gives the claim back, so Ray's retry gets the value."""
     dead = 999_999_999  # a pid that cannot exist
     handle = pair.put(payload(2 * MiB))
-    pair.consumer.fetch_remote(handle, "claim", None, dead, "unbounded")
+    pair.consumer.consumer.fetch(handle, "claim", None, dead, "unbounded")
     with pytest.raises(HandleReleased):
         pair.fetch(handle)
     pair.tick(0.0)  # the liveness check
@@ -318,9 +318,11 @@ def test_a_full_shm_directory_says_shared_memory_too_small(pair: AgentPair) -> N
     free = os.statvfs(pair.config.shm_dir)
     too_much = free.f_bavail * free.f_frsize + (1 << 30)
     with pytest.raises(SharedMemoryTooSmall, match="shared-memory directory"):
-        pair.owner.stage_reserve(too_much, False, os.getpid())
+        pair.owner.producers.reserve(too_much, False, os.getpid())
     with pytest.raises(SharedMemoryTooSmall):
-        pair.owner.stage_reserve(too_much, True, os.getpid())  # pinned falls back, then too small
+        pair.owner.producers.reserve(
+            too_much, True, os.getpid()
+        )  # pinned falls back, then too small
     nothing_left(pair)
 
 
@@ -335,12 +337,12 @@ def test_idle_warm_arenas_never_refuse_a_region_and_the_gauge_follows(tmp_path: 
         budget = core.memory.budget
         gauge = lambda: core.metrics.snapshot()["velo_rdma_registered_bytes"]  # noqa: E731
         assert budget.registered_bytes >= 48 * MiB and gauge() == budget.registered_bytes
-        info = pair.owner.region_alloc(200 * MiB, os.getpid())
+        info = pair.owner.regions.alloc(200 * MiB, os.getpid())
         assert gauge() == budget.registered_bytes <= budget.budget_bytes
-        pair.owner.region_unregister(info.region_id, 1.0)
+        pair.owner.regions.unregister(info.region_id, 1.0)
         assert gauge() == budget.registered_bytes
         with pytest.raises(BudgetExceeded):
-            pair.owner.region_alloc(300 * MiB, os.getpid())
+            pair.owner.regions.alloc(300 * MiB, os.getpid())
         nothing_left(pair)
 
 
@@ -367,14 +369,14 @@ def test_a_pinned_writer_evicts_idle_warm_memory_before_falling_back(tmp_path: P
         assert (pool.arenas, pool.used_bytes) == (1, 0)  # the emptied arena, kept warm
         assert gauge() == budget.registered_bytes == 48 * MiB
 
-        too_big = pair.owner.stage_reserve(300 * MiB, True, os.getpid())
+        too_big = pair.owner.producers.reserve(300 * MiB, True, os.getpid())
         pending = core.reservations.get(too_big.reservation_id)
         assert pending is not None and (pending.kind, pending.pinned) == ("plain", False)
         assert pair.owner_paths() == {"rdma/ok": 1, "chunked/budget": 1}
         assert pool.arenas == 1 and gauge() == budget.registered_bytes == 48 * MiB
-        pair.owner.stage_abort(too_big.reservation_id)
+        pair.owner.producers.abort(too_big.reservation_id)
 
-        writer = pair.owner.stage_reserve(220 * MiB, True, os.getpid())
+        writer = pair.owner.producers.reserve(220 * MiB, True, os.getpid())
         pending = core.reservations.get(writer.reservation_id)
         assert pending is not None and (pending.kind, pending.pinned) == ("dedicated", True)
         assert pair.owner_paths() == {"rdma/ok": 1, "chunked/budget": 1}  # no new fallback
@@ -383,7 +385,7 @@ def test_a_pinned_writer_evicts_idle_warm_memory_before_falling_back(tmp_path: P
         view = pair.segments.view(writer.path, writer.offset, writer.nbytes)
         view[-1] = 7  # the producer can write all of it
         del view
-        pair.owner.stage_abort(writer.reservation_id)  # over warm_dedicated_bytes: unmapped
+        pair.owner.producers.abort(writer.reservation_id)  # over warm_dedicated_bytes: unmapped
         assert gauge() == budget.registered_bytes == 0
         nothing_left(pair)
 

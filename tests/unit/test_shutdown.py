@@ -175,7 +175,7 @@ def test_after_the_gate_nothing_new_is_staged_and_acquires_answer_chunked(pair: 
     stopping = Shutdown(owner, timeout_s=20.0)
     eventually(lambda: owner.core.state.counts().draining, "the gate closed")
     with pytest.raises(StagingError, match="shutting down"):
-        owner.stage_reserve(MiB, True, pair.pid)
+        owner.producers.reserve(MiB, True, pair.pid)
     late = decode_acquire_response(
         owner.owner._rv_acquire(encode(AcquireRequest(handle, rdma=RdmaOffer())))
     )

@@ -326,18 +326,18 @@ def test_a_leases_windows_are_unregistered_before_its_slot_goes_back(
     offer = RdmaOffer(("ucx",), windows=True)
     request = AcquireRequest(handle, rdma=offer, claim=True, consumer_node="node-b",
                              consumer_worker=windowed.consumer.worker_id)  # fmt: skip
-    answer = decode_acquire_response(windowed.owner._rv_acquire(encode(request)))
+    answer = decode_acquire_response(windowed.owner.owner._rv_acquire(encode(request)))
     assert isinstance(answer, Rdma) and answer.window_bytes == 1 * MiB and not answer.descriptor
     window = WindowRequest(handle, answer.lease_id, 3, -1)
-    got = decode(WindowAnswer, windowed.owner._rv_window(encode(window)))
+    got = decode(WindowAnswer, windowed.owner.owner._rv_window(encode(window)))
     descriptor = windowed.owner_rdma.decode(got.descriptor, 1 * MiB)  # type: ignore[union-attr]
     assert descriptor.addr == slot_address + 3 * MiB
-    windowed.owner._rv_release(encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
+    windowed.owner.owner._rv_release(encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
     events = [event for event, _ in log]
     assert events.index("unregister") < events.index("free"), log
     assert ("free", slot_address) in log
     with pytest.raises(HandleNotFound):  # the handle ended: nothing more registers for it
-        windowed.owner._rv_window(encode(WindowRequest(handle, answer.lease_id, 4, -1)))
+        windowed.owner.owner._rv_window(encode(WindowRequest(handle, answer.lease_id, 4, -1)))
     assert windowed.owner.core.memory.budget.registered_bytes == 0
 
 
@@ -346,8 +346,8 @@ def test_a_reaped_lease_closes_its_windows(windowed: AgentPair) -> None:
     offer = RdmaOffer(("ucx",), windows=True)
     request = AcquireRequest(handle, rdma=offer, consumer_node="node-b",
                              consumer_worker=windowed.consumer.worker_id)  # fmt: skip
-    answer = decode_acquire_response(windowed.owner._rv_acquire(encode(request)))
-    windowed.owner._rv_window(encode(WindowRequest(handle, answer.lease_id, 0, -1)))
+    answer = decode_acquire_response(windowed.owner.owner._rv_acquire(encode(request)))
+    windowed.owner.owner._rv_window(encode(WindowRequest(handle, answer.lease_id, 0, -1)))
     assert windowed.owner.core.memory.budget.registered_bytes == 2 * MiB
     windowed.tick(3.0)  # past the 2 s lease with no renewal (the timer maps a warm arena)
     memory = windowed.owner.core.memory
@@ -370,4 +370,4 @@ def test_a_held_lease_keeps_no_window_registered(windowed: AgentPair) -> None:
     assert registrar.live_registrations == 0
     assert windowed.owner.core.memory.budget.registered_bytes == 2 * MiB  # the lease's charge
     windowed.end(lease)
-    windowed.consumer.release_quietly(handle)
+    windowed.consumer.consumer.release_quietly(handle)

@@ -173,7 +173,7 @@ def test_an_agents_frames_reach_only_the_owners_own_errors(tmp_path: Path) -> No
         agent = pair.owner
 
         async def dispatch(method: str, message: bytes) -> Any:
-            return await asyncio.to_thread(getattr(agent, method), message)
+            return await asyncio.to_thread(agent.entry(method), message)
 
         server = WireServer("127.0.0.1", dispatch, WireAuth(SECRET))
         rng = random.Random(26)
