@@ -377,7 +377,7 @@ class RendezvousAgent:
             self.regions.reap(dead)
         due.append(self._end_jobs(now))
         if core.memory.warm_up_wanted:
-            core.memory.warm_up(now)  # outside every caller's send (spec: never in a send)
+            core.memory.warm_up(now)  # outside every caller's send (docs/protocol.md §12: never in a send)
         due += core.memory.reclaim(now)
         if core.rdma is not None:
             core.rdma.reap_idle_endpoints(now)
@@ -430,7 +430,7 @@ class RendezvousAgent:
     # --- shutdown --------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float | None = None) -> dict[str, int]:
-        """The spec's shutdown order, under one bound (``timeout_s``, else the config's
+        """The protocol's shutdown order (docs/protocol.md §18), under one bound (``timeout_s``, else the config's
         ``shutdown_timeout``, else 30 s):
 
         1. gate: no new reservation, region or fetch; acquires answer chunked (``draining``);

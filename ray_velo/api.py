@@ -1,4 +1,5 @@
-"""The public API (DESIGN.md §4): init/shutdown, put/fetch, and the spec's handle API.
+"""The public API (docs/architecture.md §2): init/shutdown, put/fetch, and the protocol's
+handle API (docs/protocol.md §3).
 
 Every process (driver, task, actor) talks to the agent of its own node through its
 :mod:`~ray_velo.session`. Staging writes the payload straight into the agent's shared segment;
@@ -124,7 +125,7 @@ def is_initialized() -> bool:
 
 
 def shutdown(*, stop_ray: bool | None = None) -> dict[str, dict[str, int]]:
-    """Stop every agent in the spec's shutdown order (docs/transfer.md): transfers admitted
+    """Stop every agent in the protocol's shutdown order (docs/protocol.md §18): transfers admitted
     before it finish, within each agent's ``shutdown_timeout``; slots freed, segments
     unlinked, timers stopped. Returns each node's report (what its drain found and did).
 

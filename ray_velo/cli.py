@@ -396,7 +396,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     commands: dict[str, argparse.ArgumentParser] = {}
     for name, run, text in (
         ("status", _status, "each node's agent: transport, memory, slots, leases, paths"),
-        ("stop", _stop, "stop every agent of a running cluster (the spec's shutdown order)"),
+        ("stop", _stop, "stop every agent of a running cluster (the protocol's shutdown order)"),
         ("cleanup", _cleanup, "remove the shared-memory segments dead processes left"),
     ):
         command = sub.add_parser(name, help=text)

@@ -1,8 +1,9 @@
-"""Configuration: every knob of the spec's configuration table, with its default and rules.
+"""Configuration: every knob of the protocol's configuration table, with its default and rules
+(docs/protocol.md §16).
 
 Durations are float seconds (``lease_timeout=30.0``), sizes are bytes. Each class is a frozen
 dataclass validated at construction; a bad value raises :class:`ConfigError` naming the
-field, the value and the rule. Values the spec clamps (``lease_timeout`` to >= 1 ms,
+field, the value and the rule. Values the protocol clamps (``lease_timeout`` to >= 1 ms,
 ``ep_idle_timeout`` to >= 500 ms) are clamped, not refused.
 """
 
@@ -33,9 +34,11 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-#: Payloads above this go through rendezvous when staged transparently (spec: 256 KiB).
+#: Payloads above this go through rendezvous when staged transparently (docs/protocol.md §12:
+#: 256 KiB).
 DEFAULT_THRESHOLD = 256 * KiB
-#: The spec's chunk size. Far too small for Ray calls (~1 ms each); see DEFAULT_CHUNK_SIZE.
+#: The protocol's chunk size. Far too small for Ray calls (~1 ms each); see DEFAULT_CHUNK_SIZE
+#: (docs/protocol.md §20).
 SPEC_CHUNK_SIZE = 512 * KiB
 #: Chunk size of the chunked path over Ray calls. Measured on Ray: 512 KiB chunks move at
 #: ~0.1 GB/s, 16 MiB chunks at ~0.7-0.9 GB/s cross-node (docs/tuning.md has the table).
@@ -43,12 +46,13 @@ DEFAULT_CHUNK_SIZE = 16 * MiB
 #: Pulls kept in flight per chunked transfer (docs/tuning.md).
 DEFAULT_PULLS_IN_FLIGHT = 4
 
-#: ``lease_timeout`` clamps up to this (spec: on the wire 0 ms means "no deadline").
+#: ``lease_timeout`` clamps up to this (docs/protocol.md §11: on the wire 0 ms means "no
+#: deadline").
 LEASE_TIMEOUT_FLOOR_S = 0.001
 #: A cap on ``lease_timeout`` (about 31.7 million years) that keeps ``lease_timeout_ms``
 #: well inside the wire's u64 after float rounding.
 LEASE_TIMEOUT_MAX_S = 1e15
-#: ``ep_idle_timeout`` rises to this (spec: floor 500 ms).
+#: ``ep_idle_timeout`` rises to this (docs/protocol.md §16: floor 500 ms).
 EP_IDLE_TIMEOUT_FLOOR_S = 0.5
 
 
@@ -109,7 +113,7 @@ def _set(obj: object, name: str, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RdmaRendezvousConfig:
-    """The RDMA path's rules on the owner (spec: RdmaRendezvousConfig).
+    """The RDMA path's rules on the owner (docs/protocol.md §7 and §16).
 
     Attributes:
         rdma_min_bytes: pinned slots below this answer chunked (bytes).
@@ -154,34 +158,37 @@ class RdmaRendezvousConfig:
 
 @dataclass(frozen=True, slots=True)
 class RdmaPoolConfig:
-    """The registered arena pool (spec: RdmaPoolConfig). Sizes in bytes, durations in s."""
+    """The registered arena pool (docs/protocol.md §16). Sizes in bytes, durations in s."""
 
     initial_arena_bytes: int = 64 * MiB
     max_arena_bytes: int = 1 * GiB
     dedicated_arena_min: int = 64 * MiB
     #: Cap on registered bytes per node, pool and regions together. None (the default; the
-    #: spec says 1 GiB): each agent takes a quarter of its node's memory, at least the spec's
-    #: 1 GiB, at most half its shm directory (``ray_velo.memory.node.default_budget``): with
-    #: 1 GiB a single 1.5 GiB payload fell to the chunked path on any node (docs/tuning.md).
+    #: protocol says 1 GiB, docs/protocol.md §20): each agent takes a quarter of its node's
+    #: memory, at least the protocol's 1 GiB, at most half its shm directory
+    #: (``ray_velo.memory.node.default_budget``): with 1 GiB a single 1.5 GiB payload fell to
+    #: the chunked path on any node (docs/tuning.md).
     registered_bytes_budget: int | None = None
     arena_reclaim_after: float | None = None
     retain_arena_bytes: int = 64 * MiB
     #: Emptied dedicated arenas kept mapped for reuse (bytes); 0 unmaps them at once, as
-    #: the spec does. Not in the spec: measured here, a fresh 256 MiB arena (reserve, map,
-    #: first-touch faults) cost more than the copy it serves (docs/tuning.md).
+    #: the protocol does. Not in the protocol (docs/protocol.md §20): measured here, a fresh
+    #: 256 MiB arena (reserve, map, first-touch faults) cost more than the copy it serves
+    #: (docs/tuning.md).
     #: None (the default): the node's budget, so a payload the budget takes whole finds its
     #: arena warm next time (at 1 GiB, every 1.5 GiB transfer mapped and faulted two fresh
     #: arenas: 0.26 GB/s, against 1.12 GB/s warm, two hosts unshaped).
     warm_dedicated_bytes: int | None = None
     #: Transparent staging (``@ray_velo.transfer``) never maps or registers an arena inside
-    #: a caller's send (spec); after it misses registered memory, the agent's timer maps an
-    #: arena of that size and leaves it warm, so the next payload takes the RDMA path. False
-    #: is the spec's behaviour: only an explicit pinned ``put`` ever maps.
+    #: a caller's send (docs/protocol.md §12); after it misses registered memory, the agent's
+    #: timer maps an arena of that size and leaves it warm, so the next payload takes the RDMA
+    #: path. False is the protocol's behaviour: only an explicit pinned ``put`` ever maps.
     warm_up_after_miss: bool = True
     #: A payload in plain memory (one the budget could not take whole) still moves by GET:
     #: each side registers a window of this many bytes at a time, charged to the budget
-    #: (the owner two per transfer, the next ready while one moves). Not in the spec; a
-    #: whole number of pages. docs/tuning.md "Payloads larger than the budget".
+    #: (the owner two per transfer, the next ready while one moves). Not in the protocol
+    #: (docs/protocol.md §19); a whole number of pages. docs/tuning.md "Payloads larger than
+    #: the budget".
     window_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
@@ -208,7 +215,7 @@ class RdmaPoolConfig:
 
 @dataclass(frozen=True, slots=True)
 class UcxConfig:
-    """The UCX transport beside Ray's control plane (spec: UcxTransportBuilder).
+    """The UCX transport beside Ray's control plane (docs/protocol.md §16).
 
     Attributes:
         enabled: False simulates a node without UCX (the path metric says not_configured).
@@ -236,7 +243,7 @@ class UcxConfig:
 
 @dataclass(frozen=True, slots=True)
 class RdmaConfig:
-    """Everything about the RDMA path (spec: RdmaConfig)."""
+    """Everything about the RDMA path (docs/protocol.md §16)."""
 
     rendezvous: RdmaRendezvousConfig = field(default_factory=RdmaRendezvousConfig)
     pool: RdmaPoolConfig = field(default_factory=RdmaPoolConfig)
@@ -251,7 +258,7 @@ class RdmaConfig:
 
 @dataclass(frozen=True, slots=True)
 class VeloConfig:
-    """Agent-wide configuration (spec: VeloBuilder).
+    """Agent-wide configuration (docs/protocol.md §16).
 
     Attributes:
         threshold_bytes: transparent staging threshold; payloads above it are staged.

@@ -74,7 +74,7 @@ ENTRIES: tuple[Entry, ...] = (
     # a consuming call's claims, and a release nobody waits for
     Entry("claim_end", "consumer.claim_end", "threads", socket="notice"),
     Entry("release_quietly", "consumer.release_quietly", "threads", socket="notice"),
-    # the owner's handlers (the protocol's seven and the windows), as other agents call them
+    # the owner's handlers (the protocol's seven, docs/protocol.md §5, and the windows), as other agents call them
     Entry("_rv_metadata", "owner._rv_metadata", "loop", wire=0, owner=True),
     Entry("_rv_acquire", "owner._rv_acquire", "loop", wire=1, owner=True),
     Entry("_rv_ref", "owner._rv_ref", "loop", wire=2, owner=True),

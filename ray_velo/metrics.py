@@ -1,4 +1,4 @@
-"""Metrics: the spec's series, counted in plain integers, exported through Ray.
+"""Metrics: the protocol's series, counted in plain integers, exported through Ray.
 
 Each agent owns one :class:`AgentMetrics`. Work sites bump plain counters (no label objects,
 no locks on the hot path beyond the agent's own); when the agent runs inside Ray the same
@@ -7,7 +7,7 @@ port with a ``ray_`` prefix (docs/metrics.md lists the exported names). ``snapsh
 the counters to tests and to ``ray-velo status``; :func:`prometheus_registry` renders a
 snapshot for a standalone Prometheus scrape. No handle or lease id is ever a label.
 
-Spec series (name inside Ray -> exported name):
+The protocol's series (docs/protocol.md §17; name inside Ray -> exported name):
 
 * ``velo_rendezvous_rdma_path`` {path, reason} -> ``ray_velo_rendezvous_rdma_path_total``
 * ``velo_rendezvous_rdma_get_duration_seconds`` (histogram)
@@ -158,7 +158,7 @@ class _RayExport:
         self._prime()
 
     def _create_spec_series(self) -> None:
-        """The spec's series: path decisions, GET duration, reaped leases, registrations."""
+        """The protocol's series: path decisions, GET duration, reaped leases, registrations."""
         from ray.util import metrics as rm
 
         self.path = rm.Counter(
@@ -300,7 +300,7 @@ class AgentMetrics:
                 _log.warning("ray_velo: Ray metrics export unavailable", exc_info=True)
 
     def path(self, path: str, reason: str) -> None:
-        """Count one path decision (owner or consumer side, per the spec's points)."""
+        """Count one path decision (owner or consumer side, at docs/protocol.md §17's points)."""
         with self._lock:
             self.path_total[(path, reason)] += 1
         if self._ray is not None:
@@ -458,7 +458,7 @@ def _inside_ray_worker() -> bool:
 def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> CollectorRegistry:
     """A ``prometheus_client`` registry holding the given agents' snapshots (by node id).
 
-    Renders every spec series (``velo_rendezvous_rdma_path_total{path, reason, node}``, the
+    Renders every protocol series (``velo_rendezvous_rdma_path_total{path, reason, node}``, the
     GET-duration histogram, reaped leases, registered bytes, registrations by kind, live
     regions) and the operator series, each labelled by ``node``. For a standalone scrape or
     a test; inside Ray the same series come from Ray's export.

@@ -261,9 +261,9 @@ def stage_transparent(
     obj: Any, *, ttl: float | None, consumers: int, lifetime: str | None = None
 ) -> DataHandle | None:
     """Stage ``obj`` inside a caller's send (``@ray_velo.transfer``): only into an arena
-    the agent has already mapped, never a new mapping or registration (spec). None when
-    none fits: the payload then travels inside the Ray call, and the agent warms an arena
-    up for the next one."""
+    the agent has already mapped, never a new mapping or registration (docs/protocol.md
+    §12). None when none fits: the payload then travels inside the Ray call, and the agent
+    warms an arena up for the next one."""
     return _stage(obj, True, ttl, consumers, False, lifetime, may_map=False)
 
 

@@ -6,7 +6,7 @@ what they return: a slot whose bytes may go comes back as a :class:`FreedSlot`, 
 the owner state gives back once no read is in progress. Everything that changes slot state
 lives in this file. ``validate()`` checks the invariants; tests call it after every step.
 
-A handle and its bytes end at different times (DESIGN.md §9):
+A handle and its bytes end at different times (docs/architecture.md §5):
 
 * The **handle ends** when its last reference is released, its TTL fires, or it is evicted
   (its region went away, its owner shut down). From then on every new acquire, ref, claim and
@@ -16,7 +16,7 @@ A handle and its bytes end at different times (DESIGN.md §9):
   does the store hand the slot back (``FreedSlot``). A live zero-copy view holds a local
   lease, so a TTL never takes the bytes from under it.
 
-Rules, from the spec and the lifetime issue:
+Rules, from the protocol (docs/protocol.md §3, §11) and the lifetime issue:
 
 * A slot starts with refcount 1 (or N for fan-out). ``ref`` adds one, ``release`` drops a
   lease and one reference; at zero the handle ends.

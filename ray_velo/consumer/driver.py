@@ -80,7 +80,7 @@ __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 
 _log = logging.getLogger(__name__)
 
-#: Floor of the consumer's RDMA lease renewal period (spec: 5 ms).
+#: Floor of the consumer's RDMA lease renewal period (docs/protocol.md §11: 5 ms).
 RENEW_FLOOR_S = 0.005
 
 

@@ -226,7 +226,7 @@ class DecodeFailed:
 
 @dataclass(frozen=True, slots=True)
 class Allocated:
-    """``ok`` False: no registered memory for it (the spec's ``pool_exhausted``)."""
+    """``ok`` False: no registered memory for it (``pool_exhausted``, docs/protocol.md §8)."""
 
     ok: bool
 

@@ -5,7 +5,8 @@ that lost it, by the worker id the owner recorded in Ray's KV), keeps one
 :class:`~ray_velo.consumer.links.RayOwnerLink` per node, forgets a dead incarnation's, and
 registers peers' UCX worker addresses with the RDMA backend: the consumer's third offer fact
 ("UCX is registered for that peer"). After a first (chunked) transfer from an unknown owner it
-learns that owner's address, so later transfers offer RDMA (the spec's cold start).
+learns that owner's address, so later transfers offer RDMA (the protocol's cold start,
+docs/protocol.md §8).
 """
 
 from __future__ import annotations

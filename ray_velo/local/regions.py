@@ -1,4 +1,4 @@
-"""Caller-owned registered regions (spec: ``register_external_memory``, ``RegionGuard``).
+"""Caller-owned registered regions (the protocol's ``RegionGuard``, docs/protocol.md §10).
 
 A process of the node asks for registered memory it owns and writes (``rv.alloc_region``):
 the agent creates a segment, registers it, charges the budget (evicting idle warm arenas

@@ -1,11 +1,11 @@
 """A node agent's memory: the registered pool, the plain pool, and the budget they share.
 
 :class:`NodeMemory` decides where bytes go (registered memory when asked and possible, plain
-memory otherwise, never failing for lack of registered memory: the spec's
-``register_data_pinned``), gives them back, and keeps the registration metrics equal to the
-budget's own count. It is thread-safe through the pools' own locks, so a mapping never
-holds the agent's state lock. Who holds each buffer meanwhile is the owner state's ledger
-(:mod:`ray_velo.owner.state`), not this module's business.
+memory otherwise, never failing for lack of registered memory: the protocol's
+``register_data_pinned``, docs/protocol.md §9), gives them back, and keeps the registration
+metrics equal to the budget's own count. It is thread-safe through the pools' own locks, so
+a mapping never holds the agent's state lock. Who holds each buffer meanwhile is the owner
+state's ledger (:mod:`ray_velo.owner.ledger`), not this module's business.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ _log = logging.getLogger(__name__)
 
 #: Upper bound on one arena of the plain (unregistered) pool.
 PLAIN_MAX_ARENA_BYTES = 1 << 30
-#: The spec's ``registered_bytes_budget``: the least an agent takes by default.
+#: The protocol's ``registered_bytes_budget`` (docs/protocol.md §20): the least an agent
+#: takes by default.
 SPEC_BUDGET_BYTES = 1 << 30
 
 
@@ -37,7 +38,7 @@ def default_budget(memory_bytes: int, shm_bytes: int) -> int:
     """The registered-bytes budget of a node with ``memory_bytes`` of memory and a shm
     directory of ``shm_bytes``: a quarter of its memory (registered memory is memory a
     payload occupies anyway; the rest stays for the tasks), never above half the shm
-    directory (staged bytes live there, plain ones too), never below the spec's 1 GiB."""
+    directory (staged bytes live there, plain ones too), never below the protocol's 1 GiB."""
     return max(SPEC_BUDGET_BYTES, min(memory_bytes // 4, shm_bytes // 2))
 
 
@@ -132,8 +133,8 @@ class NodeMemory:
         plain. Returns (placement, slot kind, registered).
 
         ``record``: count a pinned-staging fallback in the path metric (the owner's staging
-        point, spec labels ``kill_switch``, ``budget``, ``pool_exhausted``). Without a
-        registered pool (no UCX) the data goes to plain memory, counting nothing.
+        point, labels ``kill_switch``, ``budget``, ``pool_exhausted``: docs/protocol.md §9).
+        Without a registered pool (no UCX) the data goes to plain memory, counting nothing.
 
         Raises:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
@@ -158,10 +159,11 @@ class NodeMemory:
         self, nbytes: int, now: float, *, rdma_enabled: bool
     ) -> tuple[Placement, SlotKind, bool] | None:
         """Transparent staging's placement, inside a caller's send: memory of an arena that
-        is already mapped, never a new mapping or registration (spec). Registered memory
-        when the RDMA path is on, else plain; None when nothing mapped fits (the payload
-        then travels inside the Ray call, as if undecorated), after asking the timer to warm
-        an arena of that size up (:meth:`warm_up`) so that the next one finds it."""
+        is already mapped, never a new mapping or registration (docs/protocol.md §12).
+        Registered memory when the RDMA path is on, else plain; None when nothing mapped
+        fits (the payload then travels inside the Ray call, as if undecorated), after asking
+        the timer to warm an arena of that size up (:meth:`warm_up`) so that the next one
+        finds it."""
         registered = rdma_enabled and self.pinned_pool is not None
         pool = self.pinned_pool if registered else self.plain_pool
         assert pool is not None

@@ -1,6 +1,6 @@
 """The arena pool: a few large shared-memory arenas, registered once, suballocated in granules.
 
-Theory of operation (spec, "Memory registration"). Registering memory with UCX costs time
+Theory of operation (docs/protocol.md §10). Registering memory with UCX costs time
 linear in its size and UCX caches nothing, so the pool registers a few large arenas up front
 and hands out 4 KiB granule ranges of them with :class:`~ray_velo.memory.allocator.OffsetAllocator`.
 The first arena is ``initial_arena_bytes``; each later one doubles the newest, up to
@@ -65,7 +65,7 @@ _log = logging.getLogger(__name__)
 FallbackReason = Literal["budget", "pool_exhausted"]
 
 # Records of pools dropped without close(): kept alive so their registered pages are never
-# unmapped under UCX (the spec's "leaks its arenas and logs at error").
+# unmapped under UCX (docs/protocol.md §10: "leaks its arenas and logs at error").
 _LEAKED_FOREVER: Final[list[object]] = []
 
 
@@ -299,7 +299,7 @@ class Fallback:
     Attributes:
         reason: ``"budget"`` (registered_bytes_budget spent) or ``"pool_exhausted"``
             (anything else: no room and may not map, shm too small, registration failed,
-            pool closed). The spec's path label.
+            pool closed). The protocol's path label (docs/protocol.md §9).
         requested_bytes: the request.
         detail: why, for a log line.
         error: the error behind it, when one says more (``SharedMemoryTooSmall``).
@@ -511,7 +511,8 @@ class ArenaPool:
 
     def _reserve(self, size: int) -> bool:
         # _map_lock held. Registrations are evicted by the byte budget, never by a timer
-        # (spec): warm arenas make room for a new one, if all of them together would.
+        # (docs/protocol.md §10): warm arenas make room for a new one, if all of them together
+        # would.
         if self._budget is None:
             return True
         with self._lock:
@@ -768,7 +769,8 @@ class ArenaPool:
 
     def __del__(self) -> None:
         # A pool torn down without close(): registered pages must not be unmapped under the
-        # backend, so keep them (the spec's leak, logged at error). Plain arenas just close.
+        # backend, so keep them (the protocol's leak, logged at error: docs/protocol.md §10).
+        # Plain arenas just close.
         try:
             records = [*self._records.values(), *self._warm, *self._evicting]
         except AttributeError:  # __init__ failed

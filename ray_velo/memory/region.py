@@ -1,9 +1,10 @@
 """Caller-owned registered memory: a :class:`Region` on the owner, a :class:`RegionGuard` for the caller.
 
-Theory of operation (spec, "External registration" and "register_data_in_region"). A region
-is a range ``(address, nbytes)`` that the caller owns and that is registered, whole pages, with
-the backend and charged to the :class:`~ray_velo.memory.pool.RegistrationBudget` it shares with
-the arena pool. Unlike pinned staging, registering over the budget is an error
+Theory of operation (docs/protocol.md §9 and §10: regions, ``register_data_in_region``). A
+region is a range ``(address, nbytes)`` that the caller owns and that is registered, whole
+pages, with the backend and charged to the
+:class:`~ray_velo.memory.pool.RegistrationBudget` it shares with the arena pool. Unlike
+pinned staging, registering over the budget is an error
 (:class:`~ray_velo.errors.BudgetExceeded`): the caller asked for this exact memory.
 
 Two things keep the memory safe while it is deregistered:
@@ -24,8 +25,9 @@ confirmed), release the budget, then fire :meth:`RegionGuard.deregistered`: only
 caller free the memory. An unregistration that cannot be confirmed leaves the region
 registered and the signal unfired on purpose: velo cannot prove the memory was released.
 
-Results are two small frozen classes, :class:`Drained` and :class:`DrainTimedOut` (the spec's
-``Deregistered::Drained`` / ``Deregistered::DrainTimedOut``); both mean "released".
+Results are two small frozen classes, :class:`Drained` and :class:`DrainTimedOut` (the
+protocol's two outcomes of an unregister, ``"drained"`` / ``"drain_timed_out"``,
+docs/protocol.md §10); both mean "released".
 ``DrainTimedOut`` carries how many anchors were still held, which a log line wants.
 """
 
@@ -180,7 +182,8 @@ class Region:
             registrar: the backend (UCX, or :class:`~ray_velo.memory.pool.NoopRegistrar`).
             budget: the shared registered-bytes budget; charged the pinned pages.
             on_released: called once after the confirmed unmap (e.g. to free memory that velo
-                owns, the spec's ``register_owned``); its result is ignored, its errors logged.
+                owns, the protocol's ``register_owned``, docs/protocol.md §10); its result is
+                ignored, its errors logged.
 
         Raises:
             BudgetExceeded: the pages do not fit the budget. Nothing was registered.
@@ -296,8 +299,9 @@ class Region:
             RegionDeregistered: the region is deregistering or deregistered.
         """
         with self._cond:
-            # Count first, then read the state (spec order). The lock makes the pair atomic
-            # today; the order is what stays correct if the count ever becomes lock-free.
+            # Count first, then read the state (docs/protocol.md §9). The lock makes the pair
+            # atomic today; the order is what stays correct if the count ever becomes
+            # lock-free.
             self._in_flight += 1
             if self._state is not RegionState.REGISTERED:
                 self._in_flight -= 1

@@ -1,6 +1,6 @@
 """The RDMA descriptor: the owner-authored binary blob an ``Rdma`` acquire answer carries.
 
-Byte-exact to the spec::
+Byte-exact to the protocol (docs/protocol.md §14)::
 
     backend u8 (1 = ucx) | version u8 (1) | flags u8 (0) | generation u64le |
     addr u64le | len u64le | rkey_len u16le | rkey [rkey_len]

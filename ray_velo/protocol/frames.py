@@ -1,8 +1,9 @@
 """Frames of the owner handlers over a byte stream (the agents' TCP control plane).
 
-The spec's control plane is "ordinary messenger calls, so any transport carries it". Agents
-carry the short handlers (:data:`WIRE_METHODS`) between them over TCP, where a Ray actor call
-costs several times a socket's round trip; the messages are the same bytes either way.
+The protocol's control plane is ordinary calls, so any transport carries it (docs/protocol.md
+§4). Agents carry the short handlers (:data:`WIRE_METHODS`) between them over TCP, where a
+Ray actor call costs several times a socket's round trip; the messages are the same bytes
+either way.
 
 A request is ``[u32 length][u8 method][u64 call id][message]``; call id 0 asks for no answer
 (lease ends, renewals). An answer is ``[u32 length][u8 status][u64 call id][body]``: status 0

@@ -14,7 +14,8 @@ as a StagedValue: a decorated callee resolves it as an argument, and the driver 
 with :func:`resolve` (which takes ObjectRefs too). Payloads at or under the threshold travel
 as plain Ray values.
 
-Mapping of the spec's transparent staging onto Ray (DESIGN.md §5):
+Mapping of the protocol's transparent staging (docs/protocol.md §12) onto Ray
+(docs/architecture.md §3):
 
 * ``_rv`` and ``_rv_budget_ms`` are the StagedValue's ``handle`` and ``budget_s``. They are
   taken out of the call before the body runs, so nothing the body forwards carries them.

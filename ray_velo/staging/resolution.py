@@ -48,7 +48,7 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
         handle = session.stage_transparent(
             item, ttl=options.effective_ttl, consumers=options.consumers, lifetime=options.lifetime
         )
-        if handle is None:  # no mapped arena fits: Ray carries it this time (spec)
+        if handle is None:  # no mapped arena fits: Ray carries it this time (docs/protocol.md §12)
             return item
         staged.append(StagedValue(handle, nbytes, options.consumers, budget_s))
         return staged[-1]

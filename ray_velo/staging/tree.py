@@ -1,9 +1,10 @@
 """Staged values and the one walk over a call's arguments and results.
 
 A payload above the threshold travels as a :class:`StagedValue` in place of the value (the
-spec's ``_rv`` and ``_rv_budget_ms``); :func:`walk` visits every leaf of the containers Ray
-calls carry (lists, tuples, namedtuples, dicts) and rebuilds them with each leaf replaced.
-Staging, resolving and discarding are that one walk with a different leaf function.
+protocol's ``_rv`` and ``_rv_budget_ms``, docs/protocol.md §12); :func:`walk` visits every
+leaf of the containers Ray calls carry (lists, tuples, namedtuples, dicts) and rebuilds them
+with each leaf replaced. Staging, resolving and discarding are that one walk with a
+different leaf function.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class TransferOptions:
 class StagedValue:
     """A payload staged on its sender's node, travelling in place of the value.
 
-    ``budget_s`` is the sender's ``fetch_timeout`` for this send (the spec's
+    ``budget_s`` is the sender's ``fetch_timeout`` for this send (the protocol's
     ``_rv_budget_ms``: a decorated call's budget starts when it is sent, so all of it is
     left); the receiver starts that bound when it resolves.
     """

@@ -9,7 +9,7 @@ Stack it above ``@ray.remote`` on a function, a generator or an actor class::
 The caller's side stages arguments above the threshold (:func:`stage_tree`); the callee's
 body resolves them first and stages its results. See :mod:`ray_velo.staging.resolution` for the
 claims that make ``consumers=N`` exact, and :mod:`ray_velo.staging` for the whole mapping of
-the spec's transparent staging onto Ray.
+the protocol's transparent staging (docs/protocol.md §12) onto Ray.
 """
 
 from __future__ import annotations

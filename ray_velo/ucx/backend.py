@@ -8,8 +8,9 @@ it issues one, and on one worker the two ran one after the other (a two-node bro
 1.8x one transfer on two cores, 1.45x with the roles apart). It registers the pinned pool's arenas and callers' regions
 (:class:`UcxRegistrar`, which the memory pool calls), authors descriptors for pinned slots,
 keeps an endpoint per peer agent (wired from worker addresses exchanged over Ray calls), and
-runs the consumer's GET. It closes in the spec's order: registrations were unmapped by the
-pools before :meth:`close`; then remote keys, endpoints, the workers, the context.
+runs the consumer's GET. It closes in the protocol's shutdown order (docs/protocol.md §18):
+registrations were unmapped by the pools before :meth:`close`; then remote keys, endpoints,
+the workers, the context.
 
 Peers are keyed by Ray node id. A peer is *registered* once its worker address is known;
 that is the consumer's third offer fact ("UCX is registered for that peer").
@@ -295,7 +296,7 @@ class UcxRdmaBackend:
     def close(self) -> None:
         """Close endpoints, then the workers and their progress threads, then the context.
 
-        Arenas and regions are unmapped by their owners before this (the spec's order);
+        Arenas and regions are unmapped by their owners before this (docs/protocol.md §18);
         the context's close force-unmaps anything left and says so.
         """
         with self._lock:

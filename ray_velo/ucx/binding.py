@@ -10,11 +10,11 @@ Every UCX object is owned by a Python object with an explicit ``close()``:
 A child holds a strong reference to its parent, and a parent to its open children, so a
 parent's UCX object can never be destroyed under a child's. ``close()`` is idempotent and
 closes the open children first: remote keys before their endpoint, endpoints before their
-worker, and, on the context, registrations before workers (the spec's shutdown order: regions
-before endpoints) and everything before ``ucp_cleanup``. An object that is never closed is not
-closed by the garbage collector either: freeing UCX state from a finalizer, at an arbitrary
-point on an arbitrary thread, is the riskier failure, and its parent's ``close()`` still
-releases it.
+worker, and, on the context, registrations before workers (the protocol's shutdown order,
+docs/protocol.md §18: regions before endpoints) and everything before ``ucp_cleanup``. An
+object that is never closed is not closed by the garbage collector either: freeing UCX state
+from a finalizer, at an arbitrary point on an arbitrary thread, is the riskier failure, and
+its parent's ``close()`` still releases it.
 
 Threads: the worker runs in ``UCS_THREAD_MODE_MULTI`` (checked with ``ucp_worker_query``), so
 any thread may post a GET while the progress thread runs. The progress thread is a C loop that
@@ -95,7 +95,8 @@ _REQUIRED_OPTIONS: Final = {"RNDV_THRESH": "inf"}
 """PEER error mode drops cma for RMA unless rendezvous is off (research/ucx.md §8, pitfall 4)."""
 
 _DEFAULT_OPTIONS: Final = {"RCACHE_ENABLE": "n"}
-"""The spec's defaults; every ucp_mem_map is then a fresh registration and nothing is cached."""
+"""The protocol's defaults (docs/protocol.md §10); every ucp_mem_map is then a fresh
+registration and nothing is cached."""
 
 TUNED_DEFAULTS: Final = {"TCP_TX_SEG_SIZE": "128k", "TCP_RX_SEG_SIZE": "128k"}
 """Applied unless ``UCX_<NAME>`` is in the environment (or in the caller's options). UCX's own
@@ -305,7 +306,7 @@ class UcxContext(_Node):
         self._handle: Any = context_p[0]
 
     def _children_in_close_order(self, children: list[_Node]) -> list[_Node]:
-        # Regions before endpoints (spec, shutdown ordering), newest first within each kind.
+        # Regions before endpoints (docs/protocol.md §18), newest first within each kind.
         regs = [c for c in reversed(children) if isinstance(c, MemoryRegistration)]
         rest = [c for c in reversed(children) if not isinstance(c, MemoryRegistration)]
         return regs + rest

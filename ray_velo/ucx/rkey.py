@@ -45,7 +45,8 @@ __all__ = [
 ]
 
 PACKED_RKEY_MAX_BYTES = 1024
-"""Largest packed key the UCX backend accepts (the spec's bound; the descriptor allows 4096)."""
+"""Largest packed key the UCX backend accepts (the protocol's bound, docs/protocol.md §14; the
+descriptor allows 4096)."""
 
 MD_MAP_BYTES = 8
 """``ucp_md_map_t``: one bit per remote memory domain."""
