@@ -377,7 +377,9 @@ class RendezvousAgent:
             self.regions.reap(dead)
         due.append(self._end_jobs(now))
         if core.memory.warm_up_wanted:
-            core.memory.warm_up(now)  # outside every caller's send (docs/protocol.md §12: never in a send)
+            core.memory.warm_up(
+                now
+            )  # outside every caller's send (docs/protocol.md §12: never in a send)
         due += core.memory.reclaim(now)
         if core.rdma is not None:
             core.rdma.reap_idle_endpoints(now)
