@@ -75,62 +75,72 @@ class OwnerService:
         return encode(answer)
 
     def _rv_acquire(self, data: bytes) -> bytes:
-        """A read lease and the path, in one round trip (the protocol's eight checks, docs/protocol.md §7)."""
+        """A read lease and the path, in one round trip (the protocol's eight checks,
+        docs/protocol.md §7). A plain slot's windows are opened before the lock is taken:
+        charging the budget may unmap idle warm arenas, which must hold up no other call."""
         request = decode(AcquireRequest, data)
         core = self.core
         core.commits.wait(request.handle)
-        if self._may_open_windows(request):
-            # charging the budget may unmap idle warm arenas: not on the event loop
-            nonblocking.check("opening registered windows of a plain slot")
-        consumer = None
-        with core.changing() as fx:
-            if request.consumer_node and request.consumer_worker:
-                consumer = (request.consumer_node, request.consumer_worker)
-                core.metrics.leases_reaped(core.state.supersede(*consumer, core.clock(), fx))
-            slot = core.state.slot(request.handle)
-            descriptor, windows = self._decide(request, slot)
-            if descriptor or windows is not None:
-                fx.poke = True
-                try:
-                    return self._grant_rdma(request, slot, descriptor, consumer, windows)
-                except BaseException:
-                    if windows is not None:  # no lease owns it: nothing is registered yet
-                        windows.close()
-                    raise
-            fx.poke = request.lease_ms > 0 or bool(request.holder_pid)
-            return self._grant_chunked(request, slot, consumer)
+        opened = self._open_windows(request)
+        granted = False
+        try:
+            consumer = None
+            with core.changing() as fx:
+                if request.consumer_node and request.consumer_worker:
+                    consumer = (request.consumer_node, request.consumer_worker)
+                    core.metrics.leases_reaped(core.state.supersede(*consumer, core.clock(), fx))
+                slot = core.state.slot(request.handle)
+                descriptor, windows = self._decide(request, slot, opened)
+                if descriptor or windows is not None:
+                    fx.poke = True
+                    answer = self._grant_rdma(request, slot, descriptor, consumer, windows)
+                    granted = windows is not None  # the lease owns them from here on
+                    return answer
+                fx.poke = request.lease_ms > 0 or bool(request.holder_pid)
+                return self._grant_chunked(request, slot, consumer)
+        finally:
+            if opened is not None and not granted:  # no lease owns them: after the lock
+                opened.close()
 
-    def _may_open_windows(self, request: AcquireRequest) -> bool:
-        """Whether this acquire may open windows (before anything changed; a peek)."""
+    def _open_windows(self, request: AcquireRequest) -> WindowSet | None:
+        """The window set of the plain slot this acquire may read through windows, opened
+        (charged to the budget), or None: no windows offered, the slot takes none, or the
+        budget cannot take them. Outside the lock; the decision under it may still not use
+        them (the caller closes them then)."""
         if request.rdma is None or not request.rdma.windows or self.core.rdma is None:
-            return False
-        with self.core.lock:
-            try:
-                return _windowable(self.core.state.slot(request.handle))
-            except VeloError:
-                return False  # the acquire itself says why
-
-    def _decide(self, request: AcquireRequest, slot: Slot) -> tuple[bytes, WindowSet | None]:
-        """The eight checks, counted: the descriptor to answer with, or the window set of a
-        plain slot (opened: charged to the budget), or (b"", None) for chunked."""
+            return None
         core = self.core
-        opened: list[WindowSet] = []
+        with core.lock:
+            try:
+                slot = core.state.slot(request.handle)
+            except VeloError:
+                return None  # the acquire itself says why
+            worth = (
+                core.rdma_enabled and slot.total_len >= core.config.rdma.rendezvous.rdma_min_bytes
+            )
+            if not worth or not _windowable(slot) or core.memory.registrar is None:
+                return None
+            address, nbytes = slot.location.address, slot.total_len
+        # charging the budget may unmap idle warm arenas: not on the event loop
+        nonblocking.check("opening registered windows of a plain slot")
+        window_set = WindowSet(
+            core.memory.registrar, core.memory.budget, address, nbytes,
+            core.config.rdma.pool.window_bytes,
+        )  # fmt: skip
+        return window_set if window_set.open() else None
+
+    def _decide(
+        self, request: AcquireRequest, slot: Slot, opened: WindowSet | None
+    ) -> tuple[bytes, WindowSet | None]:
+        """The eight checks, counted: the descriptor to answer with, or the window set of a
+        plain slot (``opened``, if the checks reach it), or (b"", None) for chunked."""
+        core = self.core
+        used: list[WindowSet] = []
 
         def open_windows() -> bool:
-            location = slot.location
-            registrar = core.memory.registrar
-            if registrar is None:
+            if opened is None:
                 return False
-            window_set = WindowSet(
-                registrar,
-                core.memory.budget,
-                location.address,
-                slot.total_len,
-                core.config.rdma.pool.window_bytes,
-            )
-            if not window_set.open():
-                return False
-            opened.append(window_set)
+            used.append(opened)
             return True
 
         facts = OwnerFacts(
@@ -150,7 +160,7 @@ class OwnerService:
         core.metrics.path(decision.path, decision.reason)
         if descriptor and core.take_fault("corrupt_descriptors"):
             descriptor += b"\x00"  # a trailing byte: decode must refuse it
-        return descriptor, (opened[0] if opened else None)
+        return descriptor, (used[0] if used else None)
 
     def _grant_rdma(
         self,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ from ray_velo.memory.windows import WindowSet
 from ray_velo.protocol import (
     AcquireRequest,
     DataHandle,
+    MetadataRequest,
+    MetadataResponse,
     Rdma,
     RdmaOffer,
     ReleaseRequest,
@@ -371,3 +375,48 @@ def test_a_held_lease_keeps_no_window_registered(windowed: AgentPair) -> None:
     assert windowed.owner.core.memory.budget.registered_bytes == 2 * MiB  # the lease's charge
     windowed.end(lease)
     windowed.consumer.consumer.release_quietly(handle)
+
+
+def test_an_acquire_evicting_arenas_for_its_windows_holds_up_no_other_call(
+    windowed: AgentPair,
+) -> None:
+    """Opening a plain slot's windows charges the budget, which may unmap idle warm arenas
+    (slow: a deregistration, a munmap). That happens before the agent's lock: while one
+    acquire waits in the eviction, another consumer's calls on another handle are answered,
+    and the stalled acquire still gets its windows once the eviction ends."""
+    owner = windowed.owner
+    big, small = windowed.put(payload(20 * MiB)), windowed.put(payload(64 * 1024))
+    budget = owner.core.memory.budget
+    squatter = budget.available_bytes  # idle warm memory, as the reclaimer sees it
+    assert budget.reserve(squatter)
+    in_eviction, evicted = threading.Event(), threading.Event()
+
+    def slow_reclaimer(short: int) -> int:
+        in_eviction.set()
+        assert evicted.wait(10.0), "the eviction was never let go"
+        budget.release(squatter)
+        return squatter
+
+    budget.set_reclaimer(slow_reclaimer)
+    offer = RdmaOffer(("ucx",), windows=True)
+    request = AcquireRequest(big, rdma=offer, consumer_node="node-b",
+                             consumer_worker=windowed.consumer.worker_id)  # fmt: skip
+    answers: list[Any] = []
+    stalled = threading.Thread(
+        target=lambda: answers.append(owner.owner._rv_acquire(encode(request)))
+    )
+    stalled.start()
+    try:
+        assert in_eviction.wait(10.0)
+        started = time.monotonic()
+        other = owner.owner._rv_metadata(encode(MetadataRequest(small)))
+        assert time.monotonic() - started < 2.0
+        assert decode(MetadataResponse, other).size == 64 * 1024
+        assert not answers, "the eviction had not ended: the acquire cannot have answered"
+    finally:
+        evicted.set()
+        stalled.join(10.0)
+    answer = decode_acquire_response(answers[0])
+    assert isinstance(answer, Rdma) and answer.window_bytes == 1 * MiB
+    owner.owner._rv_release(encode(ReleaseRequest(big, answer.lease_id)))
+    assert windowed.fetch(small) == payload(64 * 1024).tobytes()
