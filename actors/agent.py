@@ -59,14 +59,6 @@ _log = logging.getLogger(__name__)
 #: How often the agent checks that the processes it serves are still alive, while any are.
 LIVENESS_INTERVAL_S = 1.0
 _START_UCX: Any = object()  # the default of RendezvousAgent(rdma=...): start UCX if it loads
-_FAULTS = (
-    "corrupt_descriptors",
-    "stall_before_get_s",
-    "fail_gets",
-    "answer_rdma_without_offer",
-    "slow_pulls_s",
-    "copy_piece_pause_s",
-)
 
 
 def _start_rdma(config: VeloConfig) -> tuple[UcxRdmaBackend | None, str]:
@@ -318,17 +310,11 @@ class RendezvousAgent:
         return self.worker_id
 
     def inject_fault(self, name: str, value: float) -> None:
-        """Test hook. ``corrupt_descriptors``: the next N RDMA answers carry a corrupt
-        descriptor. ``stall_before_get_s``: the consumer holds its RDMA lease this long
-        before each GET, renewing it, as a slow GET would. ``fail_gets``: the consumer's next
-        N GETs fail as a broken transport's would. ``answer_rdma_without_offer``: the next N
-        acquires without an offer are answered RDMA anyway (a broken owner). ``slow_pulls_s``:
-        the owner answers each chunk this much later (a slow link). ``copy_piece_pause_s``:
-        a copy other nodes may read pauses this long after each piece lands (a slow link)."""
-        if name not in _FAULTS:
-            raise ValueError(f"unknown fault {name!r}")
-        with self.core.lock:
-            self.core.faults[name] = value
+        """For the fault tests: arm fault ``name`` (:mod:`ray_velo.testing.faults`, which
+        wraps the part it concerns; nothing of it runs in an agent never told to)."""
+        from ray_velo.testing.faults import inject
+
+        inject(self, name, value)
 
     # --- entry points --------------------------------------------------------------
 

@@ -22,13 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from ray_velo import nonblocking
+from ray_velo.backend import RdmaBackend
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.state import ConsumerState
-from ray_velo.errors import AgentShuttingDown, StagingError
+from ray_velo.errors import AgentShuttingDown, StagingError, UcxError
 from ray_velo.memory.node import NodeMemory
+from ray_velo.memory.pool import Placement
+from ray_velo.metrics import AgentMetrics
 from ray_velo.owner.ledger import Effects
 from ray_velo.owner.reservations import Reservations
 from ray_velo.owner.state import OwnerState
@@ -95,8 +97,8 @@ class AgentCore:
     worker_id: int
     state: OwnerState
     memory: NodeMemory
-    metrics: Any
-    rdma: Any  # the UCX backend (ray_velo.ucx.backend.UcxRdmaBackend) or None
+    metrics: AgentMetrics
+    rdma: RdmaBackend | None  # UCX (ray_velo.ucx.backend.UcxRdmaBackend), a fake, or none
     rdma_enabled: bool
     poke: Callable[[], None] = lambda: None
     clock: Callable[[], float] = time.monotonic
@@ -106,8 +108,6 @@ class AgentCore:
     states: AgentStates = field(init=False)
     reservations: Reservations = field(init=False)
     consumer_state: ConsumerState = field(init=False)
-    #: Fault injection for the fault tests only (see the agent's inject_fault).
-    faults: dict[str, float] = field(default_factory=dict)
     closed: bool = False
     #: Notified after every change (shutdown's drain waits on it).
     changed: threading.Condition = field(init=False)
@@ -138,7 +138,7 @@ class AgentCore:
             self.perform(fx)
 
     @contextlib.contextmanager
-    def plain_copy_buffer(self, nbytes: int) -> Iterator[tuple[int, Any]]:
+    def plain_copy_buffer(self, nbytes: int) -> Iterator[tuple[int, Placement]]:
         """A plain buffer for a copy (a region slot's, a demotion), owned in the ledger by a
         fetch id from the moment it is taken: yields ``(fid, placement)``. If the block raises,
         the buffer goes back unless the block handed it on already (the ledger says which:
@@ -213,19 +213,20 @@ class AgentCore:
         rest = Effects(copy_ends=fx.copy_ends, poke=fx.poke)
         self.perform(rest)
 
+    def ucx(self) -> RdmaBackend:
+        """The RDMA backend, for a step only the RDMA path takes.
+
+        Raises:
+            UcxError: the agent has none (UCX is off, or closed at shutdown).
+        """
+        if self.rdma is None:
+            raise UcxError(operation="rdma", status=-1, status_text="this agent has no UCX")
+        return self.rdma
+
     def check_open(self) -> None:
         """Raises AgentShuttingDown once the agent is shutting down."""
         if self.closed:
             raise AgentShuttingDown(node=self.node_id)
-
-    def take_fault(self, name: str) -> bool:
-        """Consume one count of test fault ``name`` (False when none is armed)."""
-        with self.lock:
-            left = self.faults.get(name, 0)
-            if left <= 0:
-                return False
-            self.faults[name] = left - 1
-            return True
 
     def handle(self, slot_id: int) -> DataHandle:
         """This agent's handle for ``slot_id`` (with the node hint)."""

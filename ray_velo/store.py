@@ -46,12 +46,21 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
 from ray_velo.protocol.ids import ID_KEY_BYTES, IdSequence
 from ray_velo.protocol.messages import TypeHeader
+
+if TYPE_CHECKING:
+    from ray_velo.memory.windows import WindowSet
+    from ray_velo.owner.ledger import Buffer
+    from ray_velo.owner.state import RegionSlot
+
+#: Where a slot's bytes are: a pool buffer, a caller's region, or nowhere (zero bytes).
+#: Opaque to the store; the owner state gives it back (FreedSlot) when the bytes may go.
+Location: TypeAlias = "Buffer | RegionSlot | None"
 
 __all__ = [
     "JOB_ENDED",
@@ -60,6 +69,7 @@ __all__ = [
     "FreedSlot",
     "Lease",
     "LeaseKind",
+    "Location",
     "Slot",
     "SlotKind",
     "SlotStore",
@@ -96,7 +106,7 @@ class Lease:
     consumer: tuple[str, int] | None = None  # the consumer agent (node, incarnation)
     #: An RDMA lease on a plain slot: the windows registered for it (a WindowSet); they
     #: are unregistered when the lease ends, before the slot's bytes may go.
-    windows: Any = None
+    windows: WindowSet | None = None
 
 
 @dataclass(slots=True)
@@ -113,7 +123,7 @@ class Slot:
     type_header: TypeHeader
     kind: SlotKind
     pinned: bool
-    location: Any
+    location: Location
     refcount: int
     ttl_deadline: float | None
     staged_at: float
@@ -145,7 +155,7 @@ class FreedSlot:
     kind: SlotKind
     pinned: bool
     total_len: int
-    location: Any
+    location: Location
     why: str
     abandoned: bool = False
 
@@ -198,7 +208,7 @@ class SlotStore:
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
         self._late_reads: set[int] = set()  # local leases granted while draining
-        self._ended_windows: list[Any] = []  # window sets of ended leases, to close
+        self._ended_windows: list[WindowSet] = []  # window sets of ended leases, to close
         # Slot and lease ids are capabilities: random-looking and never repeated, so one
         # handle or lease names no other (protocol/ids.py).
         key = secrets.token_bytes(ID_KEY_BYTES) if id_key is None else id_key
@@ -220,7 +230,7 @@ class SlotStore:
         self,
         total_len: int,
         type_header: TypeHeader,
-        location: Any,
+        location: Location,
         *,
         kind: SlotKind,
         pinned: bool,
@@ -359,7 +369,7 @@ class SlotStore:
         holder_pid: int = 0,
         claim: bool = False,
         consumer: tuple[str, int] | None = None,
-        windows: Any = None,
+        windows: WindowSet | None = None,
     ) -> Lease:
         """Take a read lease on a live handle. ``timeout`` (s) arms a deadline renewed by
         renew/pull; ``claim`` also claims one unclaimed reference; ``consumer`` names the
@@ -497,7 +507,7 @@ class SlotStore:
             self._drop_lease(slot, lease)
         return self._unref(slot, RELEASED_BY_CONSUMERS, claim=claim)
 
-    def lease_windows(self, handle: DataHandle, lease_id: int) -> Any:
+    def lease_windows(self, handle: DataHandle, lease_id: int) -> WindowSet | None:
         """The window set of RDMA lease ``lease_id`` on ``handle`` (None: it has none).
 
         Raises:
@@ -505,7 +515,7 @@ class SlotStore:
         """
         return self._lease_on(handle, lease_id)[1].windows
 
-    def take_ended_windows(self) -> list[Any]:
+    def take_ended_windows(self) -> list[WindowSet]:
         """The window sets of the leases ended since the last call: the caller closes them
         before it frees any slot those calls returned."""
         ended, self._ended_windows = self._ended_windows, []
@@ -659,7 +669,9 @@ class SlotStore:
         """From now on the owner answers no descriptor (reason ``draining``)."""
         self.draining = True
 
-    def relocate(self, slot_id: int, location: Any, *, kind: SlotKind, pinned: bool) -> Any:
+    def relocate(
+        self, slot_id: int, location: Location, *, kind: SlotKind, pinned: bool
+    ) -> Location:
         """Move a held slot's bytes elsewhere (shutdown demotes registered slots to plain
         memory); returns the old location, or None when the slot's bytes are gone."""
         slot = self._slots.get(slot_id)

@@ -14,9 +14,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.fetch import (
@@ -60,6 +59,7 @@ from ray_velo.errors import (
     VeloError,
 )
 from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.memory.pool import Placement, Registration
 from ray_velo.memory.windows import WindowSet
 from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
 from ray_velo.owner.state import ReadMode
@@ -74,9 +74,14 @@ from ray_velo.protocol import (
     WindowRequest,
     encode,
 )
+from ray_velo.protocol.descriptor import RdmaDescriptor
 from ray_velo.store import Slot
 
 __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
+
+#: GETs bytes ``[start, stop)`` of a payload from a node: (node, descriptor, start, stop,
+#: timeout_s).
+GetRange = Callable[[str, RdmaDescriptor, int, int, float], None]
 
 _log = logging.getLogger(__name__)
 
@@ -93,8 +98,11 @@ class LeaseRenewals:
     A lease_timeout_ms of 0 means the owner set no deadline: nothing to renew.
     """
 
-    def __init__(self, node: str = "") -> None:
+    def __init__(self, node: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the agent's (``ray_velo.testing.FakeClock`` in tests, which then
+        :meth:`wake` the thread after moving it)."""
         self._node = node  # whose agent renews (for the error after close)
+        self._clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._due: dict[int, tuple[float, float, OwnerLink, bytes]] = {}  # (due, period, ...)
         self._ids = itertools.count(1)
@@ -115,7 +123,7 @@ class LeaseRenewals:
         with self._cond:
             if self._closed:
                 raise AgentShuttingDown(node=self._node)
-            self._due[key] = (time.monotonic() + period, period, link, message)
+            self._due[key] = (self._clock() + period, period, link, message)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="ray_velo-lease-renewals", daemon=True
@@ -128,10 +136,15 @@ class LeaseRenewals:
             with self._cond:
                 self._due.pop(key, None)
 
+    def wake(self) -> None:
+        """Look at the due renewals again (a test moved its fake clock)."""
+        with self._cond:
+            self._cond.notify()
+
     def _run(self) -> None:
         with self._cond:
             while not self._closed:
-                now = time.monotonic()
+                now = self._clock()
                 sends = []
                 for key, (due, period, link, message) in list(self._due.items()):
                     if due <= now:
@@ -160,12 +173,12 @@ class LeaseRenewals:
 
 @dataclass(slots=True)
 class _Destination:
-    buffer: Any = None  # a Placement: the fetch's own, or the PinnedWriter's
+    buffer: Placement | None = None  # the fetch's own, or the PinnedWriter's
     fid: int | None = None  # the ledger entry when the fetch owns it
     registered: bool = False
-    #: A plain destination's windows (a WindowSet, depth 1, charged at allocation): closed
-    #: as soon as the GET returns, before the buffer may be staged or given back.
-    windows: Any = None
+    #: A plain destination's windows (depth 1, charged at allocation): closed as soon as the
+    #: GET returns, before the buffer may be staged or given back.
+    windows: WindowSet | None = None
 
 
 class _Run:
@@ -179,7 +192,7 @@ class _Run:
         deadline: Deadline,
         pid: int,
         writer_rid: int,
-        writer_buffer: Any,
+        writer_buffer: Placement | None,
     ) -> None:
         self.driver = driver
         self.core = driver.core
@@ -190,7 +203,7 @@ class _Run:
         self.pid = pid
         self.writer_rid = writer_rid
         self.dest = _Destination(writer_buffer, None, writer_buffer is not None)
-        self.local: tuple[Any, int] | None = None  # (local slot, reader's lease id)
+        self.local: tuple[Slot, int] | None = None  # (local slot, reader's lease id)
 
     async def request(self, instruction: Acquire | Pull, blocking: Blocking) -> Event:
         """Perform a call to the owner, awaited on the event loop (the other requests run in
@@ -201,7 +214,7 @@ class _Run:
                 return await self._acquire(instruction)
             await self.link.pull(
                 instruction.answer,
-                self.dest.buffer.view(),
+                self._buffer().view(),
                 self.core.config.pulls_in_flight,
                 self.deadline,
                 self.handle,
@@ -216,7 +229,7 @@ class _Run:
         if isinstance(instruction, CheckDescriptor):
             try:
                 return Decoded(
-                    self.core.rdma.decode(
+                    self.core.ucx().decode(
                         instruction.answer.descriptor, instruction.answer.total_len
                     )
                 )
@@ -227,6 +240,16 @@ class _Run:
         if isinstance(instruction, Get):
             return self._get(instruction)
         raise AssertionError(f"not a request: {instruction!r}")
+
+    def _buffer(self) -> Placement:
+        """The destination's buffer (a step that needs one runs only once it exists)."""
+        if self.dest.buffer is None:
+            raise AssertionError(f"the fetch of {self.handle} has no destination yet")
+        return self.dest.buffer
+
+    def _left(self, until: float) -> float:
+        """Seconds left until ``until`` on the agent's clock (at least 1 ms)."""
+        return max(until - self.core.clock(), 0.001)
 
     async def _acquire(self, instruction: Acquire) -> Event:
         budget = self.deadline.budget_ms()
@@ -264,7 +287,7 @@ class _Run:
         self.dest = _Destination(placement, fid, instruction.registered, windows)
         return Allocated(True)
 
-    def _open_windows(self, placement: Any) -> WindowSet | None:
+    def _open_windows(self, placement: Placement) -> WindowSet | None:
         """Windows of a plain destination, one registered at a time, charged now (None:
         the budget cannot take one)."""
         memory = self.core.memory
@@ -282,14 +305,16 @@ class _Run:
         renewing = self.driver.renewals.renewing(
             self.link, self.handle, answer.lease_id, answer.lease_timeout_ms
         )
-        started = time.monotonic()
+        started = self.core.clock()
         try:
             return self._get_timed(instruction, renewing, started)
         finally:
             if self.dest.windows is not None:  # whatever ended the GET, it returned
                 self._end_windows(False)
 
-    def _get_timed(self, instruction: Get, renewing: Any, started: float) -> Event:
+    def _get_timed(
+        self, instruction: Get, renewing: contextlib.AbstractContextManager[None], started: float
+    ) -> Event:
         core, answer = self.core, instruction.answer
         try:
             remaining = self.deadline.remaining()
@@ -297,13 +322,6 @@ class _Run:
             if timeout <= 0:
                 return GetExpired(self.deadline.timeout_error(self.handle))
             with renewing:
-                stall = core.faults.get("stall_before_get_s", 0.0)
-                if stall:
-                    time.sleep(stall)
-                if core.take_fault("fail_gets"):
-                    raise UcxError(
-                        operation="ucp_get_nbx", status=-3, status_text="injected failure"
-                    )
                 self._move_bytes(instruction, timeout)
         except UcxError as exc:
             _log.warning(
@@ -315,7 +333,7 @@ class _Run:
                 return GetExpired(self.deadline.timeout_error(self.handle), unsafe)
             return GetFailed(unsafe)
         self._end_windows(False)
-        core.metrics.get_completed(time.monotonic() - started)
+        core.metrics.get_completed(core.clock() - started)
         if core.config.rdma.ucx.ep_idle_timeout is not None:
             core.poke()  # arm the idle-endpoint scan
         return GetOk()
@@ -336,7 +354,7 @@ class _Run:
         rest from the owner. A copy the owner counts is opened to other nodes first, and
         filled in pieces they may read as each lands."""
         core, answer = self.core, instruction.answer
-        until = time.monotonic() + timeout
+        until = core.clock() + timeout
         relayed = False
         # A copy nobody else can claim a reference for is neither kept nor relayed.
         wanted = answer.announce and answer.unclaimed != 0
@@ -350,7 +368,9 @@ class _Run:
                 )
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
-        def get_range(node: str, descriptor: Any, start: int, stop: int, timeout_s: float) -> None:
+        def get_range(
+            node: str, descriptor: RdmaDescriptor, start: int, stop: int, timeout_s: float
+        ) -> None:
             self._get_range(node, descriptor, start, stop, timeout_s, pieces)
 
         try:
@@ -361,7 +381,11 @@ class _Run:
                 self._get_windows(answer, start, until, pieces)
             else:
                 get_range(
-                    self.link.node, instruction.descriptor, start, answer.total_len, _left(until)
+                    self.link.node,
+                    instruction.descriptor,
+                    start,
+                    answer.total_len,
+                    self._left(until),
                 )
         except BaseException:
             if relayed:  # the owner must not point anyone else at it
@@ -370,7 +394,7 @@ class _Run:
                 )
             raise
 
-    def _read_copy(self, answer: Rdma, until: float, get_range: Any) -> int:
+    def _read_copy(self, answer: Rdma, until: float, get_range: GetRange) -> int:
         """Bytes read from the copy on ``answer.relay_node`` (see :func:`read_relay`); a copy
         that could not serve them all is reported gone to the owner."""
         node, worker = answer.relay_node, answer.relay_worker
@@ -395,7 +419,9 @@ class _Run:
         size, total = answer.window_bytes, answer.total_len
         first, count = start // size, -(-total // size)
         self.driver.windowed_gets += 1
-        feed = WindowFeed(self.link, self.handle, answer.lease_id, self.core.rdma, size, total)
+        feed = WindowFeed(
+            self.link, self.handle, answer.lease_id, self.core.ucx(), size, total, self.core.clock
+        )
         with feed:
             feed.ask(first, -1, until)
             for index in range(first, count):
@@ -405,7 +431,7 @@ class _Run:
                 base = index * size
                 self._get_range(
                     self.link.node, descriptor, max(start, base), min(total, base + size),
-                    _left(until), pieces, base=base,
+                    self._left(until), pieces, base=base,
                 )  # fmt: skip
         if self.machine.mode == "hold":  # the lease stays: its windows need not
             done = WindowRequest(self.handle, answer.lease_id, -1, count - 1)
@@ -414,7 +440,7 @@ class _Run:
     def _get_range(
         self,
         node: str,
-        descriptor: Any,
+        descriptor: RdmaDescriptor,
         start: int,
         stop: int,
         timeout_s: float,
@@ -425,7 +451,7 @@ class _Run:
         at byte ``base``); in pieces that other nodes may read as each lands when
         ``pieces``."""
         core = self.core
-        until = time.monotonic() + timeout_s
+        until = core.clock() + timeout_s
         step = RELAY_PIECE_BYTES if pieces else max(stop - start, 1)
         for at in range(start, stop, step):
             end = min(stop, at + step)
@@ -433,21 +459,18 @@ class _Run:
             if pieces:
                 with core.changing():  # wakes the relays waiting for these bytes
                     core.consumer_state.relay_landed(self.handle, end)
-                pause = core.faults.get("copy_piece_pause_s", 0.0)
-                if pause and end < stop:
-                    time.sleep(pause)
 
     def _get_into(
-        self, node: str, descriptor: Any, base: int, start: int, stop: int, until: float
+        self, node: str, descriptor: RdmaDescriptor, base: int, start: int, stop: int, until: float
     ) -> None:
         """One GET of payload bytes ``[start, stop)`` into the destination, through its
         windows when it is plain (each registered for the time its bytes move; one the GET
         may still write stays registered: :meth:`_end_windows`)."""
-        rdma, buffer, windows = self.core.rdma, self.dest.buffer, self.dest.windows
+        rdma, buffer, windows = self.core.ucx(), self._buffer(), self.dest.windows
         dest = buffer.address + base
         if windows is None:
             rdma.get(
-                node, descriptor, dest, _left(until), buffer.registration,
+                node, descriptor, dest, self._left(until), buffer.registration,
                 start=start - base, stop=stop - base,
             )  # fmt: skip
             return
@@ -457,7 +480,7 @@ class _Run:
             end = min(stop, windows.bounds(index)[1])
             registration, _, _ = windows.window(index)
             rdma.get(
-                node, descriptor, dest, _left(until), registration,
+                node, descriptor, dest, self._left(until), registration,
                 start=at - base, stop=end - base,
             )  # fmt: skip
             windows.done_through(index)
@@ -479,7 +502,7 @@ class _Run:
             with core.changing() as fx:
                 core.consumer_state.fetch_give_back(fid, fx)
         elif isinstance(instruction, Quarantine):
-            fid, buffer = self.dest.fid, self.dest.buffer
+            fid, buffer = self.dest.fid, self._buffer()
             assert fid is not None
             with core.lock:
                 core.consumer_state.fetch_quarantine(fid)
@@ -506,7 +529,7 @@ class _Run:
         indexed = self.machine.mode != "hold"
         with core.changing() as fx:
             now = core.clock()
-            kind = core.memory.kind_of(self.dest.buffer, self.dest.registered)
+            kind = core.memory.kind_of(self._buffer(), self.dest.registered)
             slot = core.consumer_state.fetch_stage(
                 fid, answer.total_len, answer.type_header, kind, now, fx,
                 copy_of=self.handle if indexed else None,
@@ -525,7 +548,7 @@ class _Run:
     def done(self, outcome: Done) -> LocalLease:
         core, answer = self.core, outcome.answer
         if self.writer_rid:
-            buffer = self.dest.buffer
+            buffer = self._buffer()
             lease = LocalLease(
                 DataHandle(core.worker_id, 0, core.node_id), 0, buffer.arena.path,
                 buffer.offset_bytes, answer.total_len, answer.type_header, buffer.dedicated,
@@ -548,21 +571,17 @@ class _Run:
         return lease
 
 
-def _left(until: float) -> float:
-    return max(until - time.monotonic(), 0.001)
-
-
 class FetchDriver:
     """Runs fetches for the processes of this node (see the module docstring)."""
 
     def __init__(self, core: AgentCore, peers: Peers) -> None:
         self.core = core
         self.peers = peers
-        self.renewals = LeaseRenewals(core.node_id)
+        self.renewals = LeaseRenewals(core.node_id, core.clock)
         #: GETs of plain slots, window by window (``ray-velo status``; the tests' sign).
         self.windowed_gets = 0
         #: Window registrations a timed-out GET may still write: kept until UCX goes.
-        self.abandoned_windows: list[Any] = []
+        self.abandoned_windows: list[Registration] = []
 
     async def run(
         self,
@@ -573,7 +592,7 @@ class FetchDriver:
         pid: int,
         blocking: Blocking,
         writer_rid: int = 0,
-        writer_buffer: Any = None,
+        writer_buffer: Placement | None = None,
     ) -> LocalLease:
         """Fetch ``handle`` from ``link``'s owner; a lease on the local result for ``pid``.
         Waiting on the owner holds no thread; blocking work goes through ``blocking``.
@@ -584,7 +603,7 @@ class FetchDriver:
             was dealt with first.
         """
         core = self.core
-        started = time.monotonic()
+        started = core.clock()
         facts = FetchFacts(
             has_registry=core.rdma is not None,
             rdma_enabled=core.rdma_enabled,
@@ -640,6 +659,6 @@ class FetchDriver:
         if outcome.path == "chunked":
             self.peers.learn(run.link, run.handle.worker_id, run.deadline)
         self.core.metrics.fetched(
-            outcome.path, outcome.answer.total_len, time.monotonic() - started
+            outcome.path, outcome.answer.total_len, self.core.clock() - started
         )
         return lease

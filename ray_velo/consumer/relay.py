@@ -95,7 +95,7 @@ class RelayServer:
                         handle=str(remote), node=core.node_id, reason="its copy here is gone"
                     )
                 where = (buffer.registration, buffer.address, relay.total_len)
-                descriptor = core.rdma.descriptor(*where) or b""
+                descriptor = core.ucx().descriptor(*where) or b""
             progress = RelayProgress(
                 lease_id, relay.landed, relay.total_len, int(lease_timeout * 1000), descriptor
             )
@@ -189,22 +189,24 @@ def read_relay(
     get_range: Callable[[str, Any, int, int, float], None],
 ) -> int:
     """Read the copy of ``handle`` on ``node`` (``copy``: its agent is ``link``) into ``dest``
-    as it fills: ``get_range(node, descriptor, start, stop, timeout_s)`` GETs each landed
+    as it fills, by ``until`` on the agent's clock: ``get_range(node, descriptor, start, stop,
+    timeout_s)`` GETs each landed
     range. Returns how many bytes from the start are in ``dest`` (all of them, or as far as
     it got before the copy failed). A GET that may still write ``dest`` raises (UcxError).
     """
     handle, node = copy
     total, done, lease_id = dest.nbytes, 0, 0
     try:
-        wait_s = min(RELAY_WAIT_S + _ANSWER_S, _left(until))
+        wait_s = min(RELAY_WAIT_S + _ANSWER_S, max(until - core.clock(), 0.001))
         request = RelayRequest(handle, 0, min(total, RELAY_PIECE_BYTES))
         progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
         lease_id = progress.lease_id
-        descriptor = core.rdma.decode(progress.descriptor, total)
+        descriptor = core.ucx().decode(progress.descriptor, total)
         piece_s = max(progress.lease_timeout_ms / 2000, 0.001)  # within the relay lease
         while True:
             if progress.landed > done:
-                get_range(node, descriptor, done, progress.landed, min(_left(until), piece_s))
+                left = max(until - core.clock(), 0.001)
+                get_range(node, descriptor, done, progress.landed, min(left, piece_s))
                 done = progress.landed
             if done >= total:
                 return done
@@ -226,7 +228,3 @@ def read_relay(
 def copy_gone_notice(handle: DataHandle, node: str, worker: int) -> bytes:
     """The ``_rv_copy`` message saying that copy of ``handle`` is gone."""
     return encode(CopyNotice(handle, node, worker))
-
-
-def _left(until: float) -> float:
-    return max(until - time.monotonic(), 0.001)

@@ -26,6 +26,7 @@ from ray_velo.consumer.relay import RelayServer
 from ray_velo.core import AgentCore
 from ray_velo.errors import HandleNotFound, LeaseNotFound, OwnerDied, StagingError
 from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.memory.pool import Placement
 from ray_velo.owner.service import HANDLERS, OwnerService
 from ray_velo.protocol import (
     AcquireRequest,
@@ -178,9 +179,12 @@ class ConsumerService:
         with core.lock:
             pending = core.reservations.fill_begin(writer_rid)  # its buffer stays until we end
         try:
+            buffer = pending.buffer
+            if not isinstance(buffer, Placement):  # fill_begin takes none without memory
+                raise StagingError(f"PinnedWriter reservation {writer_rid} has no memory")
             link = await self._link(handle, blocking)
             return await self.driver.run(
-                link, handle, mode, deadline, pid, blocking, writer_rid, pending.buffer
+                link, handle, mode, deadline, pid, blocking, writer_rid, buffer
             )
         finally:
             with core.changing() as fx:

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.owner.ledger import Buffer, BufferLedger, Effects, Holdings
 from ray_velo.owner.relays import Relay
-from ray_velo.owner.state import OwnerState
+from ray_velo.owner.state import OwnerState, RegionSlot
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import IdSequence
 from ray_velo.protocol.messages import TypeHeader
@@ -213,7 +213,8 @@ class ConsumerState:
         """Where ``relay``'s bytes are: the filling fetch's buffer, then the copy's slot."""
         if relay.slot_id is not None:
             slot = self.owner.held_slot(relay.slot_id)
-            return None if slot is None else slot.location
+            location = None if slot is None else slot.location
+            return None if isinstance(location, RegionSlot) else location
         if relay.fid in self._fetches:
             return self._fetches[relay.fid][0]
         return self._relayed[relay.fid][0] if relay.fid in self._relayed else None

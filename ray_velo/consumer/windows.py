@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray_velo.consumer.deadline import Deadline
@@ -38,7 +39,10 @@ class WindowFeed:
         rdma: Any,
         window_bytes: int,
         total_len: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: the agent's; every ``until`` is on it."""
+        self._clock = clock
         self._link = link
         self._handle = handle
         self._lease_id = lease_id
@@ -60,7 +64,7 @@ class WindowFeed:
 
     def ask(self, index: int, done: int, until: float) -> None:
         """Ask for window ``index`` (after the owner unregisters ``done``; -1: none), to be
-        answered before the monotonic ``until``."""
+        answered before ``until``."""
         with self._cond:
             self._asked.append((index, done, until))
             self._cond.notify_all()
@@ -75,7 +79,7 @@ class WindowFeed:
         """
         with self._cond:
             while index not in self._answers:
-                left = until - time.monotonic()
+                left = until - self._clock()
                 if left <= 0:
                     raise _failed(f"no descriptor for window {index} in time")
                 self._cond.wait(left)
@@ -105,7 +109,7 @@ class WindowFeed:
                 self._cond.notify_all()
 
     def _call(self, index: int, done: int, until: float) -> Any:
-        left = min(max(until - time.monotonic(), 0.001), WINDOW_CALL_S)
+        left = min(max(until - self._clock(), 0.001), WINDOW_CALL_S)
         request = WindowRequest(self._handle, self._lease_id, index, done)
         try:
             data = self._link.call(

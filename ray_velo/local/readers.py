@@ -66,7 +66,9 @@ class ReaderService:
         """Copy a region slot under its copy gate into plain memory; the reader leases the
         copy, and its lease on the region slot ends (unless ``hold`` keeps it)."""
         core = self.core
-        region_slot: RegionSlot = slot.location
+        region_slot = slot.location
+        if not isinstance(region_slot, RegionSlot):
+            raise AssertionError(f"slot {slot.slot_id} is not in a region")
         total_len = slot.total_len
         try:
             with core.plain_copy_buffer(total_len) as (fid, placement):

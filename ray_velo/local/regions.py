@@ -127,8 +127,9 @@ class RegionService:
 
     def _end_slots_in(self, region: Region, fx: Effects) -> None:
         state, now = self.core.state, self.core.clock()
-        for slot in [s for s in state.slots() if isinstance(s.location, RegionSlot)]:
-            if slot.location.region is region:
+        for slot in list(state.slots()):
+            location = slot.location
+            if isinstance(location, RegionSlot) and location.region is region:
                 state.evict(self.core.handle(slot.slot_id), "its region was unregistered", now, fx)
 
     def deregistered(self, region_id: int, timeout_s: float | None) -> bool:

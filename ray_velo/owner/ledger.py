@@ -32,19 +32,29 @@ from typing import TYPE_CHECKING, Protocol
 from ray_velo.protocol.handle import DataHandle
 
 if TYPE_CHECKING:
+    from ray_velo.memory.pool import Registration
     from ray_velo.memory.windows import WindowSet
 
 __all__ = ["Anchor", "Buffer", "BufferLedger", "Effects", "Holdings"]
 
 
 class Buffer(Protocol):
-    """A range of a pool's memory (``memory.pool.Placement`` in the agent)."""
+    """A range of a pool's memory (``memory.pool.Placement`` in the agent; the ledger needs
+    only ``key`` and ``nbytes``, the roles reading or GETting it the rest)."""
 
     @property
     def key(self) -> tuple[str, int]: ...
 
     @property
     def nbytes(self) -> int: ...
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def registration(self) -> Registration | None: ...
+
+    def view(self) -> memoryview: ...
 
 
 class Anchor(Protocol):

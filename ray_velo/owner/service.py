@@ -11,7 +11,6 @@ lock and returns; buffers freed by the change go back to their pools after the l
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from ray_velo.core import AgentCore
 from ray_velo.entry import OWNER_HANDLERS
 from ray_velo.errors import ProtocolError, VeloError
 from ray_velo.memory.windows import WindowSet
+from ray_velo.owner.ledger import Buffer
 from ray_velo.owner.relays import RELAY_MIN_BYTES
 from ray_velo.owner.state import RegionSlot
 from ray_velo.protocol import (
@@ -118,9 +118,10 @@ class OwnerService:
             worth = (
                 core.rdma_enabled and slot.total_len >= core.config.rdma.rendezvous.rdma_min_bytes
             )
-            if not worth or not _windowable(slot) or core.memory.registrar is None:
+            buffer = _window_buffer(slot)
+            if not worth or buffer is None or core.memory.registrar is None:
                 return None
-            address, nbytes = slot.location.address, slot.total_len
+            address, nbytes = buffer.address, slot.total_len
         # charging the budget may unmap idle warm arenas: not on the event loop
         nonblocking.check("opening registered windows of a plain slot")
         window_set = WindowSet(
@@ -151,16 +152,11 @@ class OwnerService:
             total_len=slot.total_len,
             rdma_min_bytes=core.config.rdma.rendezvous.rdma_min_bytes,
             draining=core.state.counts().draining,
-            windowed=request.rdma is not None and request.rdma.windows and _windowable(slot),
+            windowed=bool(request.rdma and request.rdma.windows and _window_buffer(slot)),
         )
         decision = decide_path(facts, lambda: self._descriptor(slot), open_windows)
-        descriptor = decision.descriptor
-        if decision.reason == "no_offer" and core.take_fault("answer_rdma_without_offer"):
-            descriptor = self._descriptor(slot) or b""  # a broken owner, for the tests
         core.metrics.path(decision.path, decision.reason)
-        if descriptor and core.take_fault("corrupt_descriptors"):
-            descriptor += b"\x00"  # a trailing byte: decode must refuse it
-        return descriptor, (used[0] if used else None)
+        return decision.descriptor, (used[0] if used else None)
 
     def _grant_rdma(
         self,
@@ -241,11 +237,10 @@ class OwnerService:
             if region.state.name != "REGISTERED":
                 return None
             address = region.address + location.offset
-            return rdma.descriptor(region.registration, address, slot.total_len)  # type: ignore[no-any-return]
-        registration = getattr(location, "registration", None)
-        if registration is None:
+            return rdma.descriptor(region.registration, address, slot.total_len)
+        if location is None or location.registration is None:
             return None
-        return rdma.descriptor(registration, location.address, slot.total_len)  # type: ignore[no-any-return]
+        return rdma.descriptor(location.registration, location.address, slot.total_len)
 
     def _rv_pull(self, data: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """One chunk.
@@ -257,15 +252,12 @@ class OwnerService:
         """
         request = decode(PullRequest, data)
         core = self.core
-        slow = core.faults.get("slow_pulls_s", 0.0)
-        if slow > 0:  # the fault tests' slow link
-            time.sleep(slow)
         with core.lock:
             plan = core.state.pull(
                 request.transfer_id, request.index, core.config.chunk_size, core.clock()
             )
             location = plan.slot.location  # under the lock: shutdown may demote the slot
-        if plan.view:
+        if plan.view and location is not None and not isinstance(location, RegionSlot):
             view = location.view()
             return np.frombuffer(view, dtype=np.uint8, count=plan.length, offset=plan.start)
         try:
@@ -338,16 +330,13 @@ class OwnerService:
         return encode(WindowAnswer(descriptor))
 
 
-def _windowable(slot: Slot) -> bool:
-    """A slot in the agent's plain memory whose producer asked for registered memory (not a
-    region, not empty, not demoted at shutdown): a window set can register ranges of it."""
-    return (
-        slot.windowable
-        and not slot.pinned
-        and slot.total_len > 0
-        and not isinstance(slot.location, RegionSlot)
-        and hasattr(slot.location, "address")
-    )
+def _window_buffer(slot: Slot) -> Buffer | None:
+    """The plain memory of a slot whose producer asked for registered memory (not a region,
+    not empty, not demoted at shutdown), whose ranges a window set can register; else None."""
+    location = slot.location
+    if not slot.windowable or slot.pinned or slot.total_len <= 0:
+        return None
+    return None if location is None or isinstance(location, RegionSlot) else location
 
 
 def _unclaimed(request: AcquireRequest, slot: Slot) -> int:

@@ -17,11 +17,23 @@ tests in milliseconds::
         assert pair.fetch(handle) == b"x" * (1 << 20)
         assert pair.consumer_paths() == {"rdma/ok": 1}
 
+Faults around an agent's real parts (a faulty RDMA backend, slow chunk answers), armed on a
+live agent by its ``inject_fault`` entry point: :mod:`ray_velo.testing.faults`.
+
 GPU memory without a GPU: :mod:`ray_velo.testing.device` (host memory labelled CUDA, and a
 registrar that records the memory type it maps) for the GPU arena pools.
 """
 
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
+from ray_velo.testing.faults import FaultyRdma
 from ray_velo.testing.pair import AgentPair, InProcessLink, InProcessPeers
 
-__all__ = ["AgentPair", "FakeClock", "FakeJobs", "FakeRdma", "InProcessLink", "InProcessPeers"]
+__all__ = [
+    "AgentPair",
+    "FakeClock",
+    "FakeJobs",
+    "FakeRdma",
+    "FaultyRdma",
+    "InProcessLink",
+    "InProcessPeers",
+]

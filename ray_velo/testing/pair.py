@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +24,16 @@ from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.local.records import LocalLease
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view
-from ray_velo.protocol import CopyNotice, DataHandle, PullRequest, Ready, encode
+from ray_velo.protocol import (
+    AcquireRequest,
+    CopyNotice,
+    DataHandle,
+    PullRequest,
+    RdmaOffer,
+    Ready,
+    decode,
+    encode,
+)
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
 
 __all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]
@@ -33,12 +43,15 @@ MiB = 1 << 20
 
 class InProcessLink:
     """An :class:`~ray_velo.consumer.links.OwnerLink` that calls an agent's handlers in
-    this process. ``dead`` makes every call fail as a dead owner's would."""
+    this process. ``dead`` makes every call fail as a dead owner's would; ``offer_anyway``
+    N makes the next N acquires without an RDMA offer reach the owner with one, so it
+    answers RDMA to a consumer that offered none (a broken owner, as the consumer sees it)."""
 
     def __init__(self, agent: RendezvousAgent) -> None:
         self.agent = agent
         self.node = agent.node_id
         self.dead = False
+        self.offer_anyway = 0
         self.sent: list[str] = []  # the fire-and-forget calls, by handler name
 
     def _check(self, handle: object) -> None:
@@ -47,6 +60,11 @@ class InProcessLink:
 
     def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
         self._check(handle)
+        if method == "_rv_acquire" and self.offer_anyway > 0:
+            request = decode(AcquireRequest, message)
+            if request.rdma is None:
+                self.offer_anyway -= 1
+                message = encode(dataclasses.replace(request, rdma=RdmaOffer(("ucx",))))
         return self.agent.owner.handle(method, message)
 
     def send(self, method: str, message: bytes) -> None:

@@ -130,7 +130,7 @@ def test_an_owner_answering_rdma_again_gets_a_protocol_error(pair: AgentPair) ->
     descriptor is broken: the fetch fails once, with no retry storm, and leaves nothing."""
     assert pair.consumer_rdma is not None
     pair.consumer_rdma.fail_gets = 1
-    pair.owner.inject_fault("answer_rdma_without_offer", 1)
+    pair.link.offer_anyway = 1  # a broken owner: RDMA again to the fallback's acquire
     handle = pair.put(payload(2 * MiB), ttl=60.0)
     with pytest.raises(ProtocolError, match="again"):
         pair.fetch(handle)

@@ -1,0 +1,95 @@
+"""The seam between an agent and its RDMA transport.
+
+:class:`RdmaBackend` is everything the agent's roles ask of UCX: register memory (through its
+``registrar``), describe a registered range to a peer, decode a peer's description, GET from a
+peer, and keep its endpoints. :class:`~ray_velo.ucx.backend.UcxRdmaBackend` implements it over
+libucp; :class:`~ray_velo.testing.FakeRdma` implements it with ``memmove`` for agents in one
+process, and :class:`~ray_velo.testing.FaultyRdma` wraps either with injected faults. Type
+checking holds all three to it (below; ``tests/unit/test_static.py`` runs mypy in the suite).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ray_velo.memory.pool import Registrar, Registration
+from ray_velo.protocol.descriptor import RdmaDescriptor
+
+__all__ = ["RdmaBackend"]
+
+
+class RdmaBackend(Protocol):
+    """An agent's RDMA transport (see the module docstring). Thread-safe."""
+
+    @property
+    def registrar(self) -> Registrar:
+        """Registers memory ranges for GETs by peers (and into this agent's memory)."""
+        ...
+
+    @property
+    def address(self) -> bytes:
+        """This agent's worker address, for peers to create endpoints to it."""
+        ...
+
+    @property
+    def endpoints_reaped(self) -> int:
+        """Idle endpoints closed so far."""
+        ...
+
+    def register_peer(self, node: str, worker_id: int, address: bytes) -> None:
+        """Learn the worker address of agent ``worker_id`` on ``node``."""
+        ...
+
+    def peer_registered(self, node: str, worker_id: int | None = None) -> bool:
+        """Whether ``node``'s agent (that incarnation, when given) is known."""
+        ...
+
+    def descriptor(
+        self, registration: Registration | None, address: int, nbytes: int
+    ) -> bytes | None:
+        """The descriptor of ``nbytes`` at ``address`` inside ``registration``, or None when
+        that memory is no longer registered (the owner's eighth check)."""
+        ...
+
+    def decode(self, blob: bytes, expected_len: int) -> RdmaDescriptor:
+        """A peer's descriptor, checked for this consumer. Raises DescriptorError."""
+        ...
+
+    def get(
+        self,
+        node: str,
+        descriptor: RdmaDescriptor,
+        dest_address: int,
+        timeout_s: float,
+        local_registration: Registration | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        """GET bytes ``[start, stop)`` of ``descriptor`` from ``node`` to the same offsets
+        from ``dest_address``. Raises UcxError (``destination_unsafe`` when the destination
+        may still be written)."""
+        ...
+
+    def endpoint_count(self) -> int: ...
+
+    def transports(self) -> dict[str, list[str]]:
+        """The UCX transports each peer's endpoint uses."""
+        ...
+
+    def reap_idle_endpoints(self, now: float) -> int: ...
+
+    def next_reap_due(self, now: float) -> float | None: ...
+
+    def close(self) -> None: ...
+
+
+if TYPE_CHECKING:  # mypy holds every implementation to the protocol
+    from ray_velo.testing.fakes import FakeRdma
+    from ray_velo.testing.faults import FaultyRdma
+    from ray_velo.ucx.backend import UcxRdmaBackend
+
+    def _implementations(
+        ucx: UcxRdmaBackend, fake: FakeRdma, faulty: FaultyRdma
+    ) -> tuple[RdmaBackend, RdmaBackend, RdmaBackend]:
+        return ucx, fake, faulty

@@ -1,0 +1,189 @@
+"""Faults for the fault tests, injected around an agent's real parts, never inside them.
+
+:func:`inject` arms a fault on a live agent (the ``inject_fault`` entry point calls it, so a Ray
+test reaches an agent in its actor). Each fault is a wrapper installed once around the part
+that meets it in the real world:
+
+* the RDMA backend (:class:`FaultyRdma` around UCX or :class:`~ray_velo.testing.FakeRdma`):
+  ``corrupt_descriptors`` (the next N descriptors the owner hands out carry a trailing byte:
+  decode must refuse them), ``stall_before_get_s`` (each fetch's first GET waits this long,
+  its lease renewed meanwhile, as a slow GET would), ``fail_gets`` (the next N GETs fail as a
+  broken transport's would), ``copy_piece_pause_s`` (a GET of one piece of a payload, as a
+  copy other nodes read fills, is followed by this pause: a slow link);
+* the owner's handlers (:class:`SlowPulls`): ``slow_pulls_s`` (each chunk is answered this
+  much later: a slow link).
+
+A value of 0 disarms a fault; the wrappers stay (they then pass everything through).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ray_velo.errors import UcxError
+from ray_velo.memory.pool import Registrar, Registration
+from ray_velo.protocol.descriptor import RdmaDescriptor
+
+if TYPE_CHECKING:
+    from ray_velo.actors.agent import RendezvousAgent
+    from ray_velo.backend import RdmaBackend
+    from ray_velo.owner.service import OwnerService
+
+__all__ = ["FAULTS", "FaultPlan", "FaultyRdma", "SlowPulls", "inject"]
+
+#: Every fault :func:`inject` knows (the module docstring says what each does).
+FAULTS = (
+    "corrupt_descriptors",
+    "stall_before_get_s",
+    "fail_gets",
+    "copy_piece_pause_s",
+    "slow_pulls_s",
+)
+
+
+class FaultPlan:
+    """The armed faults of one agent: counts (``take``) and durations (``seconds``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {}
+
+    def arm(self, name: str, value: float) -> None:
+        with self._lock:
+            self._values[name] = value
+
+    def take(self, name: str) -> bool:
+        """Consume one count of ``name`` (False when none is armed)."""
+        with self._lock:
+            left = self._values.get(name, 0)
+            if left <= 0:
+                return False
+            self._values[name] = left - 1
+            return True
+
+    def seconds(self, name: str) -> float:
+        with self._lock:
+            return self._values.get(name, 0.0)
+
+
+class FaultyRdma:
+    """An :class:`~ray_velo.backend.RdmaBackend` that passes every call to ``inner`` but
+    where the plan says otherwise (see the module docstring)."""
+
+    def __init__(self, inner: RdmaBackend, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    @property
+    def registrar(self) -> Registrar:
+        return self.inner.registrar
+
+    @property
+    def address(self) -> bytes:
+        return self.inner.address
+
+    @property
+    def endpoints_reaped(self) -> int:
+        return self.inner.endpoints_reaped
+
+    def register_peer(self, node: str, worker_id: int, address: bytes) -> None:
+        self.inner.register_peer(node, worker_id, address)
+
+    def peer_registered(self, node: str, worker_id: int | None = None) -> bool:
+        return self.inner.peer_registered(node, worker_id)
+
+    def descriptor(
+        self, registration: Registration | None, address: int, nbytes: int
+    ) -> bytes | None:
+        blob = self.inner.descriptor(registration, address, nbytes)
+        if blob and self.plan.take("corrupt_descriptors"):
+            blob += b"\x00"  # a trailing byte: decode must refuse it
+        return blob
+
+    def decode(self, blob: bytes, expected_len: int) -> RdmaDescriptor:
+        return self.inner.decode(blob, expected_len)
+
+    def get(
+        self,
+        node: str,
+        descriptor: RdmaDescriptor,
+        dest_address: int,
+        timeout_s: float,
+        local_registration: Registration | None = None,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        stall = self.plan.seconds("stall_before_get_s")
+        if stall > 0 and start == 0:  # once per fetch: its first GET
+            time.sleep(stall)
+        if self.plan.take("fail_gets"):
+            raise UcxError(operation="ucp_get_nbx", status=-3, status_text="injected failure")
+        self.inner.get(
+            node, descriptor, dest_address, timeout_s, local_registration, start=start, stop=stop
+        )
+        pause = self.plan.seconds("copy_piece_pause_s")
+        if pause > 0 and stop is not None and stop < descriptor.length:  # not the last piece
+            time.sleep(pause)
+
+    def endpoint_count(self) -> int:
+        return self.inner.endpoint_count()
+
+    def transports(self) -> dict[str, list[str]]:
+        return self.inner.transports()
+
+    def reap_idle_endpoints(self, now: float) -> int:
+        return self.inner.reap_idle_endpoints(now)
+
+    def next_reap_due(self, now: float) -> float | None:
+        return self.inner.next_reap_due(now)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class SlowPulls:
+    """The owner's handlers, each chunk (``_rv_pull``) answered ``slow_pulls_s`` later."""
+
+    def __init__(self, inner: OwnerService, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    def _rv_pull(self, data: bytes) -> Any:
+        slow = self.plan.seconds("slow_pulls_s")
+        if slow > 0:
+            time.sleep(slow)
+        return self.inner._rv_pull(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+#: Each agent's armed faults (an agent that never had one has none).
+_PLANS: weakref.WeakKeyDictionary[RendezvousAgent, FaultPlan] = weakref.WeakKeyDictionary()
+
+
+def inject(agent: RendezvousAgent, name: str, value: float) -> None:
+    """Arm fault ``name`` on ``agent`` (a count or seconds; 0 disarms it), wrapping the part
+    it concerns the first time.
+
+    Raises:
+        ValueError: an unknown fault, or an RDMA fault on an agent without RDMA.
+    """
+    if name not in FAULTS:
+        raise ValueError(f"unknown fault {name!r} (known: {', '.join(FAULTS)})")
+    plan = _PLANS.setdefault(agent, FaultPlan())
+    plan.arm(name, value)
+    if name == "slow_pulls_s":
+        if not isinstance(agent.owner, SlowPulls):
+            agent.owner = SlowPulls(agent.owner, plan)  # type: ignore[assignment]
+        return
+    core = agent.core
+    with core.lock:
+        if core.rdma is None:
+            raise ValueError(f"fault {name!r} needs an agent with RDMA")
+        if not isinstance(core.rdma, FaultyRdma):
+            core.rdma = FaultyRdma(core.rdma, plan)
