@@ -5,6 +5,7 @@ hand), a link that records sends, no Ray; the tests wait on conditions, with bou
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -73,7 +74,7 @@ def test_a_long_get_renews_every_half_timeout_and_stops_with_the_get() -> None:
     assert (link.count(11), link.count(12)) == (8, 5)
     # every renewal of 11 came one half timeout after the previous: never a whole timeout
     times = [at for lease, at in link.sent if lease == 11]
-    assert [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)] == [0.1] * 7
+    assert [round(b - a, 6) for a, b in itertools.pairwise(times)] == [0.1] * 7
     renewals.close()
     assert not renewal_threads()
     with (
