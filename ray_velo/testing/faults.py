@@ -8,8 +8,9 @@ that meets it in the real world:
   ``corrupt_descriptors`` (the next N descriptors the owner hands out carry a trailing byte:
   decode must refuse them), ``stall_before_get_s`` (each fetch's first GET waits this long,
   its lease renewed meanwhile, as a slow GET would), ``fail_gets`` (the next N GETs fail as a
-  broken transport's would), ``copy_piece_pause_s`` (a GET of one piece of a payload, as a
-  copy other nodes read fills, is followed by this pause: a slow link);
+  broken transport's would), ``copy_piece_pause_s`` (as a copy other nodes read fills piece
+  by piece, each piece after the first waits this long, the ones before it landed and
+  readable: a slow link);
 * the owner's handlers (:class:`SlowPulls`): ``slow_pulls_s`` (each chunk is answered this
   much later: a slow link).
 
@@ -120,14 +121,14 @@ class FaultyRdma:
         stall = self.plan.seconds("stall_before_get_s")
         if stall > 0 and start == 0:  # once per fetch: its first GET
             time.sleep(stall)
+        pause = self.plan.seconds("copy_piece_pause_s")
+        if pause > 0 and start > 0:  # the pieces before this one landed (and were told)
+            time.sleep(pause)
         if self.plan.take("fail_gets"):
             raise UcxError(operation="ucp_get_nbx", status=-3, status_text="injected failure")
         self.inner.get(
             node, descriptor, dest_address, timeout_s, local_registration, start=start, stop=stop
         )
-        pause = self.plan.seconds("copy_piece_pause_s")
-        if pause > 0 and stop is not None and stop < descriptor.length:  # not the last piece
-            time.sleep(pause)
 
     def endpoint_count(self) -> int:
         return self.inner.endpoint_count()
