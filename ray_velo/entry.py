@@ -3,13 +3,13 @@
 Every call a process or another agent can make to a node's agent is one :class:`Entry`: its
 name, the method of the agent's roles that serves it, where it runs (the agent's event loop
 for a short change of state, its threads for anything that may wait, or a coroutine of the
-actor), which carriers take it besides Ray (the node's Unix socket, as a call or a notice; the agents' TCP
-wire, under a number), and whether it is one of the owner's handlers. The actor's methods,
+actor), which carriers take it besides Ray (the node's Unix socket, as a call or a notice;
+the agents' TCP wire, under a number), and whether it is one of the owner's handlers. The actor's methods,
 the wire's method numbers, the socket's dispatch and the owner's handler set are all derived
 from :data:`ENTRIES`: a new entry point is one line here and one method of the role that
-serves it (``RendezvousAgent.entry`` finds it). One name per concept: an entry is named for
-what it does where the caller stands (``local_end``: a same-node reader's lease ends), the
-method for what its role does (``ReaderService.end``).
+serves it (``RendezvousAgent.entry`` finds it). One name per concept: an entry and the
+method that serves it say the same verb (``end_lease`` is ``ReaderService.end_lease``, which
+calls ``OwnerState.end_lease``).
 
 Wire numbers are the wire format: an entry keeps its number forever and a new one takes the
 next free number, so an older agent refuses a newer method as unknown and never misreads it.
@@ -68,7 +68,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("stage_abort", "producers.abort", "loop", socket="ordered"),
     # a reader on the node: a lease on a slot it reads in place, and its end
     Entry("local_acquire", "readers.acquire", "loop", socket="call"),
-    Entry("local_end", "readers.end", "loop", socket="ordered"),
+    Entry("end_lease", "readers.end_lease", "loop", socket="ordered"),
     # a process's fetch from another node (its waits on the owner hold no thread)
     Entry("fetch_remote", "consumer.fetch", "coroutine", socket="call"),
     # a consuming call's claims, and a release nobody waits for

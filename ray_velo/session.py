@@ -429,7 +429,7 @@ class _LeasedBytes:
 def end_lease(session: Session, handle: DataHandle, lease_id: int, release: bool = False) -> None:
     """End a local lease without waiting. Interpreter or Ray shutting down: the agent reaps
     the leases of dead readers."""
-    session.notify("local_end", handle, lease_id, release)
+    session.notify("end_lease", handle, lease_id, release)
 
 
 def segment_view(session: Session, path: str, offset: int, nbytes: int) -> memoryview:

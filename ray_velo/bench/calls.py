@@ -85,7 +85,7 @@ def _own_calls(reps: int) -> dict[str, float]:
             lease = s.call("local_acquire", local, pid, "detach")
         else:
             lease = ray.get(s.agent.local_acquire.remote(local, pid, "detach"))
-        s.agent.local_end.remote(lease.handle, lease.lease_id, False)
+        s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
 
     out = {"ping": _median_ms(reps, lambda: ray.get(s.agent.ping.remote()))}
     calls: tuple[tuple[str, Callable[[bool], None]], ...] = (
@@ -116,7 +116,7 @@ def _remote_calls(handles: list[Any], owner: Any, wire: str, reps: int) -> dict[
             lease = s.call("fetch_remote", *args)
         else:
             lease = ray.get(s.agent.fetch_remote.remote(*args))
-        s.agent.local_end.remote(lease.handle, lease.lease_id, False)
+        s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
 
     message = encode(MetadataRequest(handles[-1]))
     out = {

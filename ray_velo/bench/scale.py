@@ -60,9 +60,10 @@ def _worker_class() -> Any:
             self.fillers: list[Any] = []
             self.array = np.arange(OP_BYTES, dtype=np.uint8)
 
-        def ready(self) -> bool:
-            rv.put(self.array)  # the agent, its socket, a mapped arena: warm
-            return True
+        def ready(self) -> str:
+            """Warms the agent, its socket and a mapped arena; this worker's node id."""
+            rv.release(rv.put(self.array), 0)
+            return str(ray.get_runtime_context().get_node_id())
 
         def fill_to(self, count: int) -> int:
             filler = np.zeros(FILL_BYTES, dtype=np.uint8)
@@ -128,8 +129,7 @@ def run_scale_bench(counts: tuple[int, ...] = COUNTS, samples: int = 200) -> lis
         worker = _worker_class()
         on_a = worker.options(resources={"node_a": 1}).remote()
         on_b = worker.options(resources={"node_b": 1}).remote()
-        ray.get([on_a.ready.remote(), on_b.ready.remote()])
-        node_a = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_a" in n["Resources"])
+        node_a, _ = ray.get([on_a.ready.remote(), on_b.ready.remote()])
         base_heap = _agent_heap(node_a)
         rows = []
         for count in counts:
@@ -164,7 +164,9 @@ def format_scale(rows: list[ScaleRow], samples: int) -> str:
         ratios = ", ".join(
             f"{c} {last.seconds[c] / first.seconds[c]:.2f}x" for c in COLUMNS if c != "ray"
         )
-        lines.append(f"\n{last.live_handles:,} vs {first.live_handles:,}: {ratios} (target <= 1.3x)")
+        lines.append(
+            f"\n{last.live_handles:,} vs {first.live_handles:,}: {ratios} (target <= 1.3x)"
+        )
     for row in rows:
         put, fetch, release, ray = (row.seconds[c] for c in ("put", "fetch", "release", "ray"))
         lines.append(

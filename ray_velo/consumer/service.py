@@ -214,7 +214,7 @@ class ConsumerService:
             answer = await acquire(link, request, deadline)
         except BaseException as exc:
             with core.changing() as fx:
-                core.state.lease_end(local, lease.lease_id, False, core.clock(), fx)
+                core.state.end_lease(local, lease.lease_id, False, core.clock(), fx)
                 if isinstance(exc, HandleNotFound):  # its owner will never say so now
                     core.consumer_state.copy_ended(handle, core.clock(), fx)
             raise

@@ -22,7 +22,7 @@ __all__ = ["ReaderService"]
 
 
 class ReaderService:
-    """``local_acquire`` / ``local_end`` of one agent."""
+    """``local_acquire`` / ``end_lease`` of one agent."""
 
     def __init__(self, core: AgentCore) -> None:
         self.core = core
@@ -83,7 +83,7 @@ class ReaderService:
                         core.handle(copy.slot_id), pid, "release", now
                     )
                     if mode != "hold":
-                        core.state.lease_end(handle, lease_id, False, now, fx)
+                        core.state.end_lease(handle, lease_id, False, now, fx)
                     return lease_of(
                         core.worker_id,
                         core.node_id,
@@ -93,15 +93,15 @@ class ReaderService:
                     )
         except BaseException:
             with core.changing() as fx, contextlib.suppress(HandleNotFound, LeaseNotFound):
-                core.state.lease_end(handle, lease_id, False, core.clock(), fx)  # a TTL came first?
+                core.state.end_lease(handle, lease_id, False, core.clock(), fx)  # a TTL came first?
             raise
 
-    def end(self, handle: DataHandle, lease_id: int, release: bool) -> None:
+    def end_lease(self, handle: DataHandle, lease_id: int, release: bool) -> None:
         """End a local lease: ``release`` also drops one reference. A slot already gone
         (shutdown) has nothing left to end."""
         core = self.core
         with core.changing() as fx:
             try:
-                core.state.lease_end(handle, lease_id, release, core.clock(), fx)
+                core.state.end_lease(handle, lease_id, release, core.clock(), fx)
             except (HandleNotFound, LeaseNotFound):
                 return

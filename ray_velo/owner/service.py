@@ -289,7 +289,7 @@ class OwnerService:
         core = self.core
         core.commits.wait(handle)
         with core.changing() as fx:
-            core.state.lease_end(handle, lease_id, release, core.clock(), fx, claim=claim)
+            core.state.end_lease(handle, lease_id, release, core.clock(), fx, claim=claim)
 
     def copy_gone(self, notice: CopyNotice) -> None:
         """``_rv_copy`` about one of our handles: that node's copy of it is no more."""

@@ -320,7 +320,7 @@ class OwnerState:
             self._store.release(handle, 0, claim=True)  # the lease keeps the bytes
         return slot, lease
 
-    def lease_end(
+    def end_lease(
         self,
         handle: DataHandle,
         lease_id: int,

@@ -237,7 +237,7 @@ class AgentPair:
 
     def end(self, lease: LocalLease) -> None:
         """End a consumer lease as a collected view does."""
-        self.consumer.readers.end(lease.handle, lease.lease_id, False)
+        self.consumer.readers.end_lease(lease.handle, lease.lease_id, False)
 
     def fetch(
         self, handle: DataHandle, mode: str = "release", timeout: float | None = None

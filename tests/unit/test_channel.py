@@ -123,10 +123,10 @@ def test_a_notice_inside_a_call_on_the_same_thread_is_not_sent_here(served: Any)
     _, _, channel = served
     channel._local.busy = True
     try:
-        assert not channel.notify("local_end", (1,))
+        assert not channel.notify("end_lease", (1,))
     finally:
         channel._local.busy = False
-    assert channel.notify("local_end", (1,))
+    assert channel.notify("end_lease", (1,))
 
 
 def test_the_agents_errors_come_back_as_themselves(served: Any) -> None:

@@ -44,6 +44,6 @@ def test_the_carriers_tables_are_the_declarations() -> None:
     assert HANDLERS == OWNER_HANDLERS
     assert {"stage_reserve", "local_acquire", "fetch_remote"} == channel.CHANNEL_METHODS
     assert {
-        "stage_commit", "stage_abort", "local_end", "claim_end", "release_quietly"
+        "stage_commit", "stage_abort", "end_lease", "claim_end", "release_quietly"
     } == channel.NOTICE_METHODS  # fmt: skip
     assert "_rv_pull" not in WIRE_METHODS, "chunks travel in Ray calls"

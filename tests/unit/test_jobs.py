@@ -218,7 +218,7 @@ def test_a_kept_copy_whose_reader_died_keeps_its_idle_bound() -> None:
     copy = consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, fx, copy_of=remote)
     local = DataHandle(WORKER, copy.slot_id)
     _, lease = owner.local_acquire(local, PID, "detach", 0.0)
-    owner.lease_end(local, lease.lease_id, False, 1.0, fx)  # read, then idle from t=1
+    owner.end_lease(local, lease.lease_id, False, 1.0, fx)  # read, then idle from t=1
     owner.local_acquire(local, PID + 1, "detach", 2.0)
     state.reap({PID + 1}, 3.0, fx)  # its second reader died: idle from t=3
     assert consumer.copies == 1 and state.next_due() == 3.0 + KEPT_IDLE_S

@@ -113,7 +113,7 @@ def test_a_call_naming_a_handle_still_being_committed_waits_off_the_loop(
     with on_loop():
         lease = owner.readers.acquire(handle, pid, "release")
     assert lease.total_len == MiB
-    owner.readers.end(lease.handle, lease.lease_id, False)
+    owner.readers.end_lease(lease.handle, lease.lease_id, False)
 
 
 def test_freeing_a_dedicated_arena_on_the_loop_is_deferred(pair: AgentPair) -> None:
@@ -143,5 +143,5 @@ def test_a_region_slot_is_copied_off_the_loop(pair: AgentPair) -> None:
     assert owner.info()["live_leases"] == 0
     lease = owner.readers.acquire(handle, pid, "detach")  # on a thread: copies
     assert lease.total_len == MiB
-    owner.readers.end(lease.handle, lease.lease_id, False)
+    owner.readers.end_lease(lease.handle, lease.lease_id, False)
     owner.regions.unregister(info.region_id, 5.0)

@@ -61,7 +61,7 @@ def test_a_buffer_moves_reservation_slot_pool_once() -> None:
     fx = Effects()
     handle = state.reservations.commit(rid, 4096, RAW, None, 1, 0.0, fx)
     assert holder(state, buf) == f"slot:{pending.slot_id}"
-    state.owner.lease_end(handle, 0, True, 1.0, fx)  # the last reference
+    state.owner.end_lease(handle, 0, True, 1.0, fx)  # the last reference
     assert freed(fx) == [buf] and holder(state, buf) is None
     state.validate()
 
@@ -129,7 +129,7 @@ def test_a_ttl_under_a_view_keeps_the_bytes_until_the_view_ends() -> None:
     assert freed(fx) == [] and holder(state, buf) == f"slot:{handle.slot_id}"
     with pytest.raises(HandleNotFound, match="TTL"):
         state.owner.local_acquire(handle, PID, "detach", 1.1)
-    state.owner.lease_end(handle, lease.lease_id, False, 2.0, fx)
+    state.owner.end_lease(handle, lease.lease_id, False, 2.0, fx)
     assert freed(fx) == [buf]
     state.validate()
 
@@ -145,7 +145,7 @@ def test_a_read_in_progress_parks_the_bytes() -> None:
     lease = owner.grant(handle, 0.0, kind="chunked")
     plan = owner.pull(lease.lease_id, 0, 4096, 0.0)
     assert not plan.view
-    owner.lease_end(handle, lease.lease_id, True, 0.1, fx)
+    owner.end_lease(handle, lease.lease_id, True, 0.1, fx)
     assert fx.anchors == []
     state.validate()
     owner.end_read(handle.slot_id, 0.2, fx)
@@ -181,9 +181,9 @@ def test_a_node_local_copy_ends_with_its_last_reader() -> None:
     assert copies.copy_for(remote) is slot
     _, first = owner.local_acquire(local, PID, "detach", 0.0)
     _, second = owner.local_acquire(local, PID, "detach", 0.0)
-    owner.lease_end(local, first.lease_id, False, 0.1, fx)
+    owner.end_lease(local, first.lease_id, False, 0.1, fx)
     assert copies.copy_for(remote) is slot and freed(fx) == []
-    owner.lease_end(local, second.lease_id, False, 0.2, fx)
+    owner.end_lease(local, second.lease_id, False, 0.2, fx)
     assert copies.copy_for(remote) is None and freed(fx) == [Buf(8)]
     state.validate()
 
@@ -203,7 +203,7 @@ def test_two_copies_of_one_payload_each_end_with_their_reader() -> None:
     assert consumer.copy_for(remote) is not None
     assert consumer.copy_for(remote).slot_id == copies[1][0].slot_id  # type: ignore[union-attr]
     for local, lease in copies:
-        owner.lease_end(local, lease.lease_id, False, 1.0, fx)
+        owner.end_lease(local, lease.lease_id, False, 1.0, fx)
     assert sorted(b.n for b in freed(fx)) == [10, 11]
     assert owner.counts().live_slots == 0
     state.validate()
@@ -241,7 +241,7 @@ def test_a_handle_that_follows_its_producer_ends_when_it_dies() -> None:
     released = writers.commit(rid, 4096, RAW, None, 1, 0.0, fx, follow_producer=True)
     plain = staged(state, Buf(13))  # same producer, not following it
     _, view = owner.local_acquire(followed, 77, "detach", 0.0)
-    owner.lease_end(released, 0, True, 0.5, fx)  # Ray freed it before the death
+    owner.end_lease(released, 0, True, 0.5, fx)  # Ray freed it before the death
     assert PID in state.watched_pids()
     fx = Effects()
     state.reap({PID}, 1.0, fx)
@@ -249,7 +249,7 @@ def test_a_handle_that_follows_its_producer_ends_when_it_dies() -> None:
     with pytest.raises(HandleNotFound, match="the process that staged it died"):
         owner.local_acquire(followed, 78, "detach", 1.0)
     assert freed(fx) == []  # the reader still holds the bytes
-    owner.lease_end(followed, view.lease_id, False, 2.0, fx)
+    owner.end_lease(followed, view.lease_id, False, 2.0, fx)
     assert freed(fx) == [Buf(11)]
     owner.local_acquire(plain, 78, "detach", 2.0)  # untouched
     assert state.watched_pids() == {78}
@@ -324,7 +324,7 @@ class OwnerStateMachine(RuleBasedStateMachine):
         handle, lease_id = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
         fx = Effects()
         with contextlib.suppress(HandleNotFound):  # its slot was freed with the TTL
-            self.state.owner.lease_end(handle, lease_id, release, self.now, fx)
+            self.state.owner.end_lease(handle, lease_id, release, self.now, fx)
         self._apply(fx)
 
     @rule(data=st.data())

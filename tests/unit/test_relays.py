@@ -71,7 +71,7 @@ def test_the_end_of_a_handle_with_copies_tells_their_agents() -> None:
     handle = staged(state, Buf(1))
     state.owner.copy_source(handle.slot_id, "b", 11, pick=False)
     fx = Effects()
-    state.owner.lease_end(handle, 0, True, 1.0, fx)
+    state.owner.end_lease(handle, 0, True, 1.0, fx)
     assert fx.copy_ends == [(handle, "b", 11)]
     assert freed(fx) == [Buf(1)]
 
@@ -155,7 +155,7 @@ def test_a_copy_the_owner_counts_outlives_its_readers_until_the_handle_ends() ->
     local = DataHandle(WORKER, slot.slot_id)
     lease = state.owner.local_acquire(local, PID, "detach", 0.0)[1]
     fx = Effects()
-    state.owner.lease_end(local, lease.lease_id, False, 0.1, fx)
+    state.owner.end_lease(local, lease.lease_id, False, 0.1, fx)
     assert state.consumer.copy_for(REMOTE) is not None and freed(fx) == []  # kept for the owner
     state.consumer.copy_ended(REMOTE, 0.2, fx)
     assert state.consumer.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
@@ -172,7 +172,7 @@ def test_a_kept_copy_nobody_reads_ends_after_its_idle_bound() -> None:
     fx = Effects()
     for start in (0.0, 30.0):  # read twice: the bound counts from the last reader's end
         lease = state.owner.local_acquire(local, PID, "detach", start)[1]
-        state.owner.lease_end(local, lease.lease_id, False, start + 1.0, fx)
+        state.owner.end_lease(local, lease.lease_id, False, start + 1.0, fx)
     assert state.next_due() == 31.0 + KEPT_IDLE_S
     state.sweep(30.0 + KEPT_IDLE_S, fx)
     assert freed(fx) == [] and state.consumer.copy_for(REMOTE) is not None
@@ -189,7 +189,7 @@ def test_a_copy_whose_handle_ended_while_it_filled_goes_with_its_last_reader() -
     slot = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE)
     local = DataHandle(WORKER, slot.slot_id)
     lease = state.owner.local_acquire(local, PID, "detach", 0.0)[1]
-    state.owner.lease_end(local, lease.lease_id, False, 0.1, fx)
+    state.owner.end_lease(local, lease.lease_id, False, 0.1, fx)
     assert state.consumer.copy_for(REMOTE) is None and freed(fx) == [Buf(1)]
 
 
@@ -299,7 +299,7 @@ class RelayMachine(RuleBasedStateMachine):
             local, lease_id = self.locals.pop(data.draw(st.integers(0, len(self.locals) - 1)))
             fx = Effects()
             with contextlib.suppress(HandleNotFound):
-                self.state.owner.lease_end(local, lease_id, False, self.now, fx)
+                self.state.owner.end_lease(local, lease_id, False, self.now, fx)
             self._apply(fx)
 
     @rule(remote=st.sampled_from([REMOTE, OTHER]))
