@@ -38,15 +38,23 @@ Rules, from the protocol (docs/protocol.md §3, §11) and the lifetime issue:
   whose end the owner must watch for.
 * ``next_deadline()`` says when the next deadline falls, so the driver arms a timer only
   while one exists.
+
+Cost (issue 28: a node may hold a hundred thousand live handles): every operation touches
+only the slot, lease or job it names. The counts (live handles, staged bytes, leases by kind)
+are kept as the work happens, leases are indexed by consumer agent and by holder process, and
+deadlines and TTLs sit in one heap whose stale entries are dropped as they surface (a renewal
+only moves the lease's deadline; its entry, when due, is pushed again at the new deadline).
+``validate()`` checks every count and index against a recount.
 """
 
 from __future__ import annotations
 
+import heapq
 import secrets
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias, TypeVar
 
 from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
@@ -86,6 +94,9 @@ TTL_EXPIRED = "its TTL expired"
 JOB_ENDED = "its job ended"
 #: How many ended slot ids the store remembers, to say *why* a handle is gone.
 _TOMBSTONES = 4096
+_K = TypeVar("_K")
+#: Timer heap tags: a lease's deadline, a slot's TTL.
+_LEASE, _TTL = 0, 1
 
 
 @dataclass(slots=True)
@@ -208,6 +219,12 @@ class SlotStore:
         self._tombstones: OrderedDict[int, str] = OrderedDict()
         self._consumers: dict[str, int] = {}  # consumer node -> its latest incarnation
         self._late_reads: set[int] = set()  # local leases granted while draining
+        self._live_handles = 0
+        self._staged_bytes = 0
+        self._lease_kinds: Counter[str] = Counter()
+        self._timers: list[tuple[float, int, int]] = []  # (due, _LEASE or _TTL, id): a heap
+        self._by_consumer: dict[tuple[str, int], set[int]] = {}  # consumer -> its lease ids
+        self._by_holder: dict[int, set[int]] = {}  # holder pid -> its lease ids
         self._ended_windows: list[WindowSet] = []  # window sets of ended leases, to close
         # Slot and lease ids are capabilities: random-looking and never repeated, so one
         # handle or lease names no other (protocol/ids.py).
@@ -269,8 +286,11 @@ class SlotStore:
             detached=detached,
         )
         self._slots[slot.slot_id] = slot
+        self._live_handles += 1
+        self._staged_bytes += total_len
         if slot.ttl_deadline is not None:
             self._ttl_slots[slot.slot_id] = slot
+            heapq.heappush(self._timers, (slot.ttl_deadline, _TTL, slot.slot_id))
         if slot.follows_job:
             self._job_slots.setdefault(job, {})[slot.slot_id] = slot
         self.counters.slots_staged += 1
@@ -331,7 +351,7 @@ class SlotStore:
     @property
     def live_handles(self) -> int:
         """Slots whose handle has not ended."""
-        return sum(1 for s in self._slots.values() if s.ended is None)
+        return self._live_handles
 
     @property
     def live_leases(self) -> int:
@@ -341,14 +361,17 @@ class SlotStore:
     @property
     def staged_bytes(self) -> int:
         """Bytes of every slot whose bytes are held."""
-        return sum(s.total_len for s in self._slots.values())
+        return self._staged_bytes
 
     def leases_of(self, kind: LeaseKind, now: float | None = None) -> int:
         """Leases of ``kind`` held (shutdown drains ``rdma``, then ``chunked``); with ``now``,
-        only those whose deadline has not passed (an expired one has no consumer left)."""
+        only those whose deadline has not passed (an expired one has no consumer left: a
+        count over the timed leases, for shutdown's drain only)."""
+        if now is None:
+            return self._lease_kinds[kind]
         return sum(
             1 for lease in self._leases.values()
-            if lease.kind == kind and (now is None or lease.deadline is None or lease.deadline > now)
+            if lease.kind == kind and (lease.deadline is None or lease.deadline > now)
         )  # fmt: skip
 
     @property
@@ -399,11 +422,17 @@ class SlotStore:
             windows=windows,
         )
         self._leases[lease.lease_id] = lease
+        self._lease_kinds[kind] += 1
         if self.draining and kind == "local":
             self._late_reads.add(lease.lease_id)
         slot.leases.add(lease.lease_id)
         if lease.deadline is not None:
             self._timed_leases[lease.lease_id] = lease
+            heapq.heappush(self._timers, (lease.deadline, _LEASE, lease.lease_id))
+        if consumer is not None:
+            self._by_consumer.setdefault(consumer, set()).add(lease.lease_id)
+        if holder_pid:
+            self._by_holder.setdefault(holder_pid, set()).add(lease.lease_id)
         self.counters.leases_granted += 1
         return lease
 
@@ -417,7 +446,8 @@ class SlotStore:
             return [], 0
         freed: list[FreedSlot] = []
         rdma = 0
-        for lease in [x for x in self._leases.values() if x.consumer == (node, previous)]:
+        for lease_id in list(self._by_consumer.get((node, previous), ())):
+            lease = self._leases[lease_id]
             slot = self._slots[lease.slot_id]
             self._drop_lease(slot, lease)
             self.counters.leases_superseded += 1
@@ -524,10 +554,16 @@ class SlotStore:
     def _drop_lease(self, slot: Slot, lease: Lease) -> None:
         if lease.windows is not None:
             self._ended_windows.append(lease.windows)
-        del self._leases[lease.lease_id]
-        self._timed_leases.pop(lease.lease_id, None)
-        self._late_reads.discard(lease.lease_id)
-        slot.leases.discard(lease.lease_id)
+        lease_id = lease.lease_id
+        del self._leases[lease_id]
+        self._lease_kinds[lease.kind] -= 1
+        self._timed_leases.pop(lease_id, None)  # its timer entry goes when it surfaces
+        self._late_reads.discard(lease_id)
+        slot.leases.discard(lease_id)
+        if lease.consumer is not None:
+            _unindex(self._by_consumer, lease.consumer, lease_id)
+        if lease.holder_pid:
+            _unindex(self._by_holder, lease.holder_pid, lease_id)
 
     def _unref(
         self, slot: Slot, why: str, *, claim: bool = False, abandoned: bool = False
@@ -545,6 +581,7 @@ class SlotStore:
         """The handle ends (its bytes stay while leases hold them)."""
         slot.ended = why
         slot.claimed = 0
+        self._live_handles -= 1
         self._ttl_slots.pop(slot.slot_id, None)
         job_slots = self._job_slots.get(slot.job, {})
         job_slots.pop(slot.slot_id, None)
@@ -567,6 +604,7 @@ class SlotStore:
         if slot.ended is None or slot.leases:
             return None
         del self._slots[slot.slot_id]
+        self._staged_bytes -= slot.total_len
         self._remember(slot.slot_id, slot.ended)
         self.counters.slots_freed += 1
         return FreedSlot(
@@ -580,25 +618,61 @@ class SlotStore:
 
     # --- deadlines -------------------------------------------------------------------
 
+    def _current(self, tag: int, item_id: int) -> float | None:
+        """The deadline a timer entry stands for now (None: it ended)."""
+        if tag == _TTL:
+            slot = self._ttl_slots.get(item_id)
+            return None if slot is None else slot.ttl_deadline
+        lease = self._timed_leases.get(item_id)
+        return None if lease is None else lease.deadline
+
     def next_deadline(self) -> float | None:
-        """The earliest lease deadline or TTL, or None when nothing is timed."""
-        deadlines = [lease.deadline for lease in self._timed_leases.values()]
-        deadlines += [slot.ttl_deadline for slot in self._ttl_slots.values()]
-        return min((d for d in deadlines if d is not None), default=None)
+        """The earliest lease deadline or TTL, or None when nothing is timed. Drops the
+        stale entries on top of the heap (ended, or renewed to later: pushed again)."""
+        timers = self._timers
+        while timers:
+            due, tag, item_id = timers[0]
+            current = self._current(tag, item_id)
+            if current is None:
+                heapq.heappop(timers)
+            elif current > due:
+                heapq.heapreplace(timers, (current, tag, item_id))
+            else:
+                return due
+        return None
+
+    def _due(self, now: float) -> tuple[list[Slot], list[Lease]]:
+        """The TTL slots and timed leases due at ``now``, taken off the heap (the entries of
+        leases renewed past ``now`` go back at their new deadline)."""
+        slots: list[Slot] = []
+        leases: list[Lease] = []
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, tag, item_id = heapq.heappop(timers)
+            current = self._current(tag, item_id)
+            if current is None:
+                continue
+            if current > now:
+                heapq.heappush(timers, (current, tag, item_id))
+            elif tag == _TTL:
+                slots.append(self._ttl_slots[item_id])
+            else:
+                leases.append(self._timed_leases[item_id])
+        return slots, leases
 
     def sweep(self, now: float) -> SweepResult:
         """Expire TTLs (the handle ends, its chunked leases with it) and force-release
         remote leases past their deadline."""
         result = SweepResult()
-        for slot in [s for s in self._ttl_slots.values() if s.ttl_deadline is not None]:
-            if slot.ttl_deadline is not None and slot.ttl_deadline <= now:
-                result.slots_expired += 1
-                freed = self._expire(slot, TTL_EXPIRED)
-                if freed is not None:
-                    result.freed.append(freed)
-        for lease in list(self._timed_leases.values()):
-            if lease.deadline is None or lease.deadline > now:
-                continue
+        due_slots, due_leases = self._due(now)
+        for slot in due_slots:
+            result.slots_expired += 1
+            freed = self._expire(slot, TTL_EXPIRED)
+            if freed is not None:
+                result.freed.append(freed)
+        for lease in due_leases:
+            if lease.lease_id not in self._timed_leases:
+                continue  # ended by a TTL above (a chunked lease)
             slot = self._slots[lease.slot_id]
             self._drop_lease(slot, lease)
             if lease.kind == "rdma":
@@ -642,19 +716,23 @@ class SlotStore:
 
     def holder_pids(self) -> set[int]:
         """Processes on this node holding local leases (the agent checks they live)."""
-        return {lease.holder_pid for lease in self._leases.values() if lease.holder_pid}
+        return set(self._by_holder)
 
     def read_by(self, pids: Iterable[int]) -> set[int]:
         """The slots that processes ``pids`` hold local leases on."""
-        pids = set(pids)
-        return {lease.slot_id for lease in self._leases.values() if lease.holder_pid in pids}
+        return {
+            self._leases[lease_id].slot_id
+            for pid in set(pids)
+            for lease_id in self._by_holder.get(pid, ())
+        }
 
     def reap_holders(self, dead_pids: Iterable[int]) -> list[FreedSlot]:
         """End every local lease held by a process that died (a detach: a reader's
         reference was consumed, or not, when it acquired)."""
-        dead = set(dead_pids)
         freed: list[FreedSlot] = []
-        for lease in [lease for lease in self._leases.values() if lease.holder_pid in dead]:
+        held = [lease_id for pid in set(dead_pids) for lease_id in self._by_holder.get(pid, ())]
+        for lease_id in held:
+            lease = self._leases[lease_id]
             slot = self._slots[lease.slot_id]
             self._drop_lease(slot, lease)
             self.counters.local_leases_reaped += 1
@@ -745,12 +823,43 @@ class SlotStore:
         indexed = {(job, i) for job, slots in self._job_slots.items() for i in slots}
         _check(followed == indexed, f"job index {sorted(indexed)} != followed {sorted(followed)}")
         _check(all(self._job_slots.values()), "a job index entry without slots")
+        self._validate_counts()
         counters = self.counters
         _check(
             counters.slots_staged - counters.slots_freed == len(self._slots),
             f"{counters.slots_staged} staged - {counters.slots_freed} freed "
             f"!= {len(self._slots)} held",
         )
+
+    def _validate_counts(self) -> None:
+        """The counts and indexes kept as the work happens equal a recount."""
+        slots = self._slots.values()
+        live = sum(1 for s in slots if s.ended is None)
+        _check(self._live_handles == live, f"live handles {self._live_handles} != {live}")
+        staged = sum(s.total_len for s in slots)
+        _check(self._staged_bytes == staged, f"staged bytes {self._staged_bytes} != {staged}")
+        kinds = Counter(lease.kind for lease in self._leases.values())
+        _check(+self._lease_kinds == kinds, f"lease kinds {self._lease_kinds} != {kinds}")
+        by_consumer: dict[tuple[str, int], set[int]] = {}
+        by_holder: dict[int, set[int]] = {}
+        for lease_id, lease in self._leases.items():
+            if lease.consumer is not None:
+                by_consumer.setdefault(lease.consumer, set()).add(lease_id)
+            if lease.holder_pid:
+                by_holder.setdefault(lease.holder_pid, set()).add(lease_id)
+        _check(self._by_consumer == by_consumer, "the leases-by-consumer index disagrees")
+        _check(self._by_holder == by_holder, "the leases-by-holder index disagrees")
+        earliest: dict[tuple[int, int], float] = {}
+        for due, tag, item_id in self._timers:
+            earliest[(tag, item_id)] = min(due, earliest.get((tag, item_id), due))
+        for tag, items in ((_LEASE, self._timed_leases), (_TTL, self._ttl_slots)):
+            for item_id in items:
+                current = self._current(tag, item_id)
+                entry = earliest.get((tag, item_id))
+                _check(
+                    current is not None and entry is not None and entry <= current,
+                    f"timer of {('lease', 'TTL')[tag]} {item_id}: entry {entry}, due {current}",
+                )
 
     def _validate_slot(self, slot_id: int, slot: Slot) -> None:
         _check(slot.slot_id == slot_id, f"slot {slot_id} filed as {slot.slot_id}")
@@ -782,3 +891,12 @@ def _check(condition: bool, message: str) -> None:
     # Not `assert`: validate() must check under `python -O` as well.
     if not condition:
         raise AssertionError(message)
+
+
+def _unindex(index: dict[_K, set[int]], key: _K, lease_id: int) -> None:
+    """Take ``lease_id`` out of ``index[key]``, and the key out once its set is empty."""
+    ids = index.get(key)
+    if ids is not None:
+        ids.discard(lease_id)
+        if not ids:
+            del index[key]

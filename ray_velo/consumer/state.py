@@ -20,6 +20,7 @@ slot left (it watches its copies). Relay bookkeeping of one copy is
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import Counter
 from collections.abc import Iterable
@@ -67,6 +68,8 @@ class ConsumerState:
         #: Copies the owner counts: kept past their last reader until it says the handle ended.
         self._kept: set[DataHandle] = set()
         self._kept_idle: dict[DataHandle, float] = {}  # kept copy -> when it ends unread
+        self._kept_due: list[tuple[float, int, DataHandle]] = []  # a heap over _kept_idle
+        self._kept_seq = itertools.count()
         self._claims: dict[int, Counter[DataHandle]] = {}  # pid -> claims it holds
         owner.watcher = self
 
@@ -183,7 +186,8 @@ class ConsumerState:
         if remote not in self._kept:
             self.owner.end_slot(slot_id, COPY_UNUSED, now, fx)
         else:
-            self._kept_idle[remote] = now + KEPT_IDLE_S
+            self._kept_idle[remote] = due = now + KEPT_IDLE_S
+            heapq.heappush(self._kept_due, (due, next(self._kept_seq), remote))
             fx.poke = True
 
     # --- copies other nodes read as they fill (relays) -------------------------------
@@ -318,9 +322,10 @@ class ConsumerState:
             for lease_id, due in list(relay.readers.items()):
                 if due <= now:
                     self.relay_leave(relay.remote, lease_id, now, fx)
-        for remote, due in list(self._kept_idle.items()):
-            if due > now:
-                continue
+        while self._kept_due and self._kept_due[0][0] <= now:
+            due, _, remote = heapq.heappop(self._kept_due)
+            if self._kept_idle.get(remote) != due:
+                continue  # read (or ended) since: a later entry stands for it, or none
             del self._kept_idle[remote]
             copy = self.copy_for(remote)
             if copy is not None and not copy.leases:  # read again meanwhile: not idle
@@ -329,7 +334,10 @@ class ConsumerState:
     def next_due(self) -> float | None:
         """The earliest relay lease deadline or kept copy's idle end, or None."""
         due = [d for relay in self._relays.values() for d in relay.readers.values()]
-        due += list(self._kept_idle.values())
+        while self._kept_due and self._kept_idle.get(self._kept_due[0][2]) != self._kept_due[0][0]:
+            heapq.heappop(self._kept_due)  # stale
+        if self._kept_due:
+            due.append(self._kept_due[0][0])
         return min(due, default=None)
 
     @property
@@ -355,6 +363,7 @@ class ConsumerState:
         self._relay_fids.clear()
         self._kept.clear()
         self._kept_idle.clear()
+        self._kept_due.clear()
         self._claims.clear()
 
     def validate(self) -> None:
@@ -376,6 +385,10 @@ class ConsumerState:
                 raise AssertionError(f"buffer {buffer.key} is both a fetch's and relayed:{fid}")
             expected[buffer.key] = f"relayed:{fid}"
         self.ledger.check(HOLDS, expected)
+        timed = {(due, remote) for due, _, remote in self._kept_due}
+        for remote, due in self._kept_idle.items():
+            if (due, remote) not in timed:
+                raise AssertionError(f"kept copy of {remote} idle until {due} has no timer")
         for remote, slot_id in self._copies.items():
             if self._copy_of.get(slot_id) != remote:
                 raise AssertionError(f"copy index of {remote} disagrees")

@@ -17,6 +17,7 @@ hear of its slots through a :class:`SlotWatcher`. Nothing else touches the store
 
 from __future__ import annotations
 
+import heapq
 import secrets
 from collections import Counter
 from collections.abc import Iterable
@@ -143,7 +144,7 @@ class OwnerState:
         self._reading: Counter[int] = Counter()
         self._parked: dict[int, list[FreedSlot]] = {}
         self._pulled_at: dict[int, float] = {}
-        self._grace: list[tuple[float, FreedSlot]] = []
+        self._grace: list[tuple[float, int, FreedSlot]] = []  # a heap: (end, slot id, ...)
         self._followed: dict[int, set[DataHandle]] = {}  # pid -> handles that end with it
         self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
         #: The copies of our handles on other nodes (see ray_velo.owner.relays).
@@ -407,15 +408,14 @@ class OwnerState:
         result = self._store.sweep(now)
         for freed in result.freed:
             self._bytes_end(freed, now, fx)
-        due = [(d, f) for d, f in self._grace if d <= now]
-        self._grace = [(d, f) for d, f in self._grace if d > now]
-        for _, freed in due:
+        while self._grace and self._grace[0][0] <= now:
+            _, _, freed = heapq.heappop(self._grace)
             _move_out(self.ledger, freed, f"grace:{freed.slot_id}", fx)
         return result.rdma_leases_reaped, result.chunked_leases_expired
 
     def next_due(self) -> float | None:
         """The earliest deadline, TTL or grace end, or None."""
-        due = [d for d, _ in self._grace]
+        due = [self._grace[0][0]] if self._grace else []
         store_due = self._store.next_deadline()
         if store_due is not None:
             due.append(store_due)
@@ -513,7 +513,7 @@ class OwnerState:
             for item in parked:
                 _move_out(self.ledger, item, f"parked:{slot_id}", fx)
         self._parked.clear()
-        for _, item in self._grace:
+        for _, _, item in self._grace:
             _move_out(self.ledger, item, f"grace:{item.slot_id}", fx)
         self._grace.clear()
         self.release_demoted(fx)
@@ -542,7 +542,7 @@ class OwnerState:
         if buffer is not None and freed.abandoned and recent:
             assert pulled is not None
             self.ledger.move(buffer, f"slot:{slot_id}", f"grace:{slot_id}")
-            self._grace.append((pulled + self.pull_grace_s, freed))
+            heapq.heappush(self._grace, (pulled + self.pull_grace_s, slot_id, freed))
             fx.poke = True
             return
         _move_out(self.ledger, freed, f"slot:{slot_id}", fx)
@@ -576,7 +576,7 @@ class OwnerState:
         for slot_id, parked in self._parked.items():
             for freed in parked:
                 add(freed.location, f"parked:{slot_id}")
-        for _, freed in self._grace:
+        for _, _, freed in self._grace:
             add(freed.location, f"grace:{freed.slot_id}")
         for freed in self._demoted:
             add(freed.location, f"demoted:{freed.slot_id}")
