@@ -89,30 +89,23 @@ def operations(node: Node) -> dict[str, Callable[[], object]]:
     assert timed.slot_id  # its TTL is the one due at 1.5
     rdma = owner.grant(renewed, 0.0, kind="rdma", timeout=600.0, consumer=CONSUMER)
     local: list[int] = []
-    return (
-        {
-            "put": lambda: node.put(),
-            "local acquire": lambda: local.append(
-                owner.local_acquire(leased, OTHER_READER, "detach", 0.0)[1].lease_id
-            ),
-            "end lease": lambda: owner.end_lease(leased, local[0], False, 0.0, fx),
-            "ref": lambda: owner.ref(reffed),
-            "renew": lambda: owner.renew(renewed, rdma.lease_id, 1.0),
-            "release": lambda: owner.end_lease(released, 0, True, 0.0, fx),
-            "sweep, nothing due": lambda: node.state.sweep(0.5, fx),
-            "next due": lambda: node.state.next_due(),
-            "sweep, one TTL due": lambda: node.state.sweep(1.5, fx),
-            "job end": lambda: owner.end_job("job-new", 1.5, fx),
-            "reap a dead reader": lambda: node.state.reap({DEAD}, 1.5, fx),
-            "watched processes": lambda: node.state.watched_pids(),
-            "counts": lambda: owner.counts(),
-        }
-        if dying_lease and timed
-        else {}
-    )
-
-
-OTHER_READER = 201
+    return {
+        "put": lambda: node.put(),
+        "local acquire": lambda: local.append(
+            owner.local_acquire(leased, OTHER_READER, "detach", 0.0)[1].lease_id
+        ),
+        "end lease": lambda: owner.end_lease(leased, local[0], False, 0.0, fx),
+        "ref": lambda: owner.ref(reffed),
+        "renew": lambda: owner.renew(renewed, rdma.lease_id, 1.0),
+        "release": lambda: owner.end_lease(released, 0, True, 0.0, fx),
+        "sweep, nothing due": lambda: node.state.sweep(0.5, fx),
+        "next due": lambda: node.state.next_due(),
+        "sweep, one TTL due": lambda: node.state.sweep(1.5, fx),
+        "job end": lambda: owner.end_job("job-new", 1.5, fx),
+        "reap a dead reader": lambda: node.state.reap({DEAD}, 1.5, fx),
+        "watched processes": lambda: node.state.watched_pids(),
+        "counts": lambda: owner.counts(),
+    }
 
 
 @pytest.mark.slow
