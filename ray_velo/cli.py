@@ -92,6 +92,12 @@ def _bench_one_kind(args: argparse.Namespace) -> int | None:
         reps = max(args.reps, 40) if args.reps == 5 else args.reps  # 5 (the default) is few
         print(format_calls(run_calls_bench(reps), reps))
         return 0
+    if args.scale:
+        from ray_velo.bench.scale import format_scale, run_scale_bench
+
+        samples = 200 if args.reps == 5 else args.reps  # 5 (the default) is few
+        print(format_scale(run_scale_bench(samples=samples), samples))
+        return 0
     if args.transport:
         from ray_velo.bench.samehost import run_transport_bench
 
@@ -341,6 +347,12 @@ def _add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--calls",
         action="store_true",
         help="each call on a transfer's path: over Ray vs over the agents' socket and TCP wire",
+    )
+    bench.add_argument(
+        "--scale",
+        action="store_true",
+        help="per-operation cost (put, fetch, release, cross-node fetch) at 1k, 10k and 100k "
+        "live handles on a node, beside Ray's put+get, and the agent's memory per handle",
     )
     _add_two_host_options(bench)
     bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")

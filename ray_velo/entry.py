@@ -93,7 +93,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("region_unregister", "regions.unregister", "threads"),
     Entry("region_deregistered", "regions.deregistered", "threads"),
     # routing, peers, operation
-    Entry("route", "consumer.route", "threads"),
+    # a process's call to a handle's owner (metadata, ref, detach, release), via its agent
+    Entry("route", "consumer.route", "loop", socket="call"),
     Entry("ucx_address", "ucx_address", "loop"),
     Entry("register_peers", "peers.register", "threads"),
     Entry("cleanup", "cleanup", "threads"),

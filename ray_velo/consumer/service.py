@@ -17,6 +17,7 @@ import contextlib
 import threading
 from typing import Any
 
+from ray_velo import nonblocking
 from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.driver import FetchDriver
 from ray_velo.consumer.fetch import Mode
@@ -288,6 +289,7 @@ class ConsumerService:
             raise ValueError(f"unknown handler {method!r}")
         if handle.worker_id == self.core.worker_id:
             return self.owner.handle(method, data)
+        nonblocking.check(f"calling {method} on another node's owner")
         for attempt in range(2):
             link = self.peers.link(handle)
             try:
