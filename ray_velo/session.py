@@ -34,7 +34,7 @@ from ray_velo import _ray
 from ray_velo.calls import clear_ray_frames, wait
 from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
-from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel
+from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel, ChannelFull
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.payload import as_bytes_view, from_bytes_view
@@ -86,13 +86,15 @@ class Session:
         agent's socket for :data:`~ray_velo.local.channel.CHANNEL_METHODS` when it has one,
         else as a Ray call. Raises what the agent raised; AgentDied (the session forgotten)
         when the agent is gone."""
-        if self.channel is None or method not in CHANNEL_METHODS:
-            return call(getattr(self.agent, method).remote(*args), timeout_s)
-        try:
-            return self.channel.call(method, args, timeout_s, lambda: _no_answer(timeout_s))
-        except AgentDied:
-            forget()
-            raise
+        if self.channel is not None and method in CHANNEL_METHODS:
+            try:
+                return self.channel.call(method, args, timeout_s, lambda: _no_answer(timeout_s))
+            except ChannelFull:
+                pass  # this process holds as many connections as it may: a Ray call
+            except AgentDied:
+                forget()
+                raise
+        return call(getattr(self.agent, method).remote(*args), timeout_s)
 
     def notify(self, method: str, *args: Any) -> None:
         """Run the agent's ``method(*args)`` without waiting (a commit, a lease end): over

@@ -10,7 +10,10 @@ path, and a commit that lands after the handle's first use is waited for by the 
 commit gate).
 
 Frames are a 4-byte big-endian length and a pickle: ``(method, args)`` in, ``(ok, value)``
-out, one call at a time per connection; each thread of a process has its own connection.
+out, one call at a time per connection; each thread of a process has its own connection, closed
+when the thread ends, and a process holds at most :data:`MAX_CONNECTIONS` of them: a thread
+beyond that (a pool of a thousand fetching threads) makes Ray calls instead, so the agent's
+open files stay bounded by its processes, not by their threads.
 The socket file is the agent's, mode 0600 in the node's shm directory: only the user that
 runs Ray reaches it, as with Ray's own plasma socket. The agent also asks the kernel who
 connected (``SO_PEERCRED``) and closes, unread, a connection from any other user (a socket
@@ -30,6 +33,7 @@ import socket
 import struct
 import tempfile
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,8 +44,10 @@ from ray_velo.memory.arena import pid_alive
 __all__ = [
     "CHANNEL_METHODS",
     "DISABLE_ENV",
+    "MAX_CONNECTIONS",
     "NOTICE_METHODS",
     "AgentChannel",
+    "ChannelFull",
     "ChannelServer",
     "peer_uid",
     "remove_stale_sockets",
@@ -57,6 +63,9 @@ __all__ = [
 CHANNEL_METHODS = CHANNEL_CALLS
 NOTICE_METHODS = CHANNEL_NOTICES
 _ORDERED_NOTICES = ORDERED_NOTICES
+#: Connections one process holds to its agent at most (one per thread that calls it): the
+#: threads beyond make Ray calls (at most about that many threads call at once, usually).
+MAX_CONNECTIONS = 64
 #: Set to 1 in an agent's environment to serve no socket (every call is a Ray call).
 DISABLE_ENV = "VELO_LOCAL_SOCKET_DISABLE"
 _log = logging.getLogger(__name__)
@@ -244,14 +253,37 @@ class ChannelServer:
             os.unlink(self.path)
 
 
-class AgentChannel:
-    """A process's side: one connection per thread to its agent's socket."""
+class ChannelFull(Exception):
+    """This process holds :data:`MAX_CONNECTIONS` connections already: the calling thread
+    makes a Ray call instead (nothing was sent). Never reaches a user."""
 
-    def __init__(self, path: str) -> None:
+
+class _Connection:
+    """A thread's connection, in its thread-local storage: when the thread ends and this is
+    collected, the socket is closed and the process's slot given back."""
+
+    def __init__(self, sock: socket.socket, sockets: dict[int, socket.socket]) -> None:
+        self.sock = sock
+        weakref.finalize(self, _close, sock, sockets)
+
+
+def _close(sock: socket.socket, sockets: dict[int, socket.socket]) -> None:
+    sockets.pop(id(sock), None)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class AgentChannel:
+    """A process's side: one connection per thread to its agent's socket (at most
+    ``max_connections`` of them at once)."""
+
+    def __init__(self, path: str, max_connections: int = 0) -> None:
+        """``max_connections``: at most this many at once (0: :data:`MAX_CONNECTIONS`)."""
         self.path = path
+        self.max_connections = max_connections or MAX_CONNECTIONS
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
+        self._sockets: dict[int, socket.socket] = {}  # id -> each live thread's connection
         self._pid = os.getpid()
 
     def call(
@@ -262,6 +294,7 @@ class AgentChannel:
 
         Raises:
             AgentDied: the agent is gone (the socket refused, reset or closed).
+            ChannelFull: this thread has no connection and the process may open no more.
             what ``on_timeout()`` builds: no answer within ``timeout_s`` seconds.
         """
         sock = self._socket()
@@ -299,10 +332,10 @@ class AgentChannel:
             sock.settimeout(_NOTICE_SEND_S)
             sock.sendall(_frame((method, args, False)))
             return True
-        except Exception:  # AgentDied, OSError: the Ray call says the rest
-            broken: socket.socket | None = getattr(self._local, "sock", None)
-            if broken is not None:
-                self._drop(broken)
+        except Exception:  # AgentDied, ChannelFull, OSError: the Ray call says the rest
+            connection: _Connection | None = getattr(self._local, "connection", None)
+            if connection is not None:
+                self._drop(connection.sock)
             return False
         finally:
             self._local.busy = False
@@ -310,32 +343,37 @@ class AgentChannel:
     def _socket(self) -> socket.socket:
         if os.getpid() != self._pid:  # a forked child: its parent's connections are not its own
             self._local = threading.local()
+            self._sockets = {}
             self._pid = os.getpid()
-        sock: socket.socket | None = getattr(self._local, "sock", None)
-        if sock is not None:
-            return sock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection: _Connection | None = getattr(self._local, "connection", None)
+        if connection is not None:
+            return connection.sock
+        with self._lock:
+            if len(self._sockets) >= self.max_connections:
+                raise ChannelFull()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sockets[id(sock)] = sock
         try:
             sock.connect(self.path)
         except OSError as exc:
-            sock.close()
+            _close(sock, self._sockets)
             raise AgentDied() from exc
-        self._local.sock = sock
-        with self._lock:
-            self._sockets.append(sock)
+        self._local.connection = _Connection(sock, self._sockets)
         return sock
 
+    @property
+    def connections(self) -> int:
+        """Connections open now (one per thread that called, until it ends)."""
+        return len(self._sockets)
+
     def _drop(self, sock: socket.socket) -> None:
-        self._local.sock = None
-        with self._lock:
-            if sock in self._sockets:
-                self._sockets.remove(sock)
-        sock.close()
+        self._local.connection = None
+        _close(sock, self._sockets)
 
     def close(self) -> None:
         """Close every thread's connection (the session ends)."""
         with self._lock:
-            sockets, self._sockets = self._sockets, []
+            sockets, self._sockets = list(self._sockets.values()), {}
         for sock in sockets:
             with contextlib.suppress(OSError):
                 sock.close()

@@ -169,11 +169,6 @@ class OwnerService:
         """An RDMA lease (always with a deadline) and the answer carrying the descriptor, or
         the window size of a plain slot (the lease owns its window set from here on)."""
         rendezvous = self.core.config.rdma.rendezvous
-        relay = None
-        if request.copies and consumer is not None:
-            # Its copy counts; a large payload is read from another copy when there is one.
-            pick = slot.total_len >= RELAY_MIN_BYTES
-            relay = self.core.state.copy_source(slot.slot_id, *consumer, pick)
         lease = self.core.state.grant(
             request.handle,
             self.core.clock(),
@@ -185,6 +180,17 @@ class OwnerService:
         )
         if windows is not None:
             self.windowed_leases += 1
+        unclaimed = _unclaimed(request, slot)
+        relay, announce = None, False
+        if request.copies and consumer is not None:
+            # A large payload is read from another node's copy when there is one; the
+            # consumer's copy counts only if someone may still fetch the handle (the last
+            # consumer's copy goes with its reader, and nobody need hear of it).
+            announce = unclaimed != 0
+            pick = slot.total_len >= RELAY_MIN_BYTES
+            relay = self.core.state.copy_source(
+                slot.slot_id, *consumer, pick=pick, announce=announce
+            )
         return encode(
             Rdma(
                 lease.lease_id,
@@ -192,10 +198,10 @@ class OwnerService:
                 rendezvous.lease_timeout_ms,
                 slot.total_len,
                 slot.type_header,
-                announce=request.copies and consumer is not None,
+                announce=announce,
                 relay_node=relay.node if relay else "",
                 relay_worker=relay.worker if relay else 0,
-                unclaimed=_unclaimed(request, slot),
+                unclaimed=unclaimed,
                 window_bytes=windows.window_bytes if windows is not None else 0,
             )
         )

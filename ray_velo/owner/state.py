@@ -277,12 +277,16 @@ class OwnerState:
             consumer=consumer, windows=windows,
         )  # fmt: skip
 
-    def copy_source(self, slot_id: int, node: str, worker: int, pick: bool) -> Source | None:
-        """Consumer agent ``worker`` on ``node`` will fill a copy of ``slot_id`` that counts
-        (announced before its GET, so the next consumer may read it as it fills); with
-        ``pick``, the copy it should read from first (a large payload), if there is one."""
+    def copy_source(
+        self, slot_id: int, node: str, worker: int, *, pick: bool, announce: bool
+    ) -> Source | None:
+        """Consumer agent ``worker`` on ``node`` is granted a GET of ``slot_id``: with
+        ``pick``, the copy it should read from first (a large payload), if there is one; with
+        ``announce``, its own copy counts from now (announced before its GET, so the next
+        consumer may read it as it fills)."""
         source = self._sources.pick(slot_id, node) if pick else None
-        self._sources.announce(slot_id, node, worker)
+        if announce:
+            self._sources.announce(slot_id, node, worker)
         return source
 
     def copy_gone(self, slot_id: int, node: str, worker: int) -> None:

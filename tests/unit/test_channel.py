@@ -23,6 +23,7 @@ import pytest
 from ray_velo.errors import AgentDied, HandleNotFound, StagingError, TransferTimeout, VeloError
 from ray_velo.local.channel import (
     AgentChannel,
+    ChannelFull,
     ChannelServer,
     remove_stale_sockets,
     socket_path,
@@ -253,3 +254,48 @@ def test_a_process_of_another_user_is_refused_unread() -> None:
         loop.run(server.close(StagingError("closed")))
         loop.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_threads_connection_closes_when_the_thread_ends(served: Any) -> None:
+    """A pool that replaces its threads must not pile up connections in the agent: each
+    thread's connection goes with its thread."""
+    _, server, channel = served
+    for n in range(20):
+        worker = threading.Thread(
+            target=lambda n=n: channel.call("local_acquire", (n,), 5.0, never)
+        )
+        worker.start()
+        worker.join(10)
+    deadline = time.monotonic() + 5.0
+    while (channel.connections or len(server._serving)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the agent sees each close as its connection's end
+    assert channel.connections == 0 and len(server._serving) == 0
+
+
+def test_a_process_holds_at_most_its_cap_of_connections(tmp_path: Path) -> None:
+    """A thousand threads calling at once: at most ``max_connections`` connections reach the
+    agent; the threads beyond are told ChannelFull (they make a Ray call), none is refused
+    by the agent and every answer is right."""
+    loop = LoopThread()
+    server = ChannelServer(socket_path(str(tmp_path), os.getpid(), 8), dispatch)
+    loop.run(server.start())
+    channel = AgentChannel(server.path, max_connections=16)
+    barrier = threading.Barrier(100)
+
+    def one(n: int) -> str:
+        barrier.wait(10)
+        try:
+            assert channel.call("local_acquire", (n,), 10.0, never) == ("local_acquire", n)
+            return "socket"
+        except ChannelFull:
+            return "ray"
+
+    try:
+        with ThreadPoolExecutor(100) as pool:
+            ways = list(pool.map(one, range(100)))
+        assert ways.count("socket") >= 16 and "ray" in ways
+        assert channel.connections <= 16 and len(server._serving) <= 16
+    finally:
+        channel.close()
+        loop.run(server.close(StagingError("closed")))
+        loop.stop()

@@ -183,7 +183,7 @@ def test_the_copies_of_a_jobs_handle_hear_of_its_end_at_once() -> None:
     state = AgentStates.new(WORKER)
     fx = Effects()
     handle = committed(state, Buf(1), JOB_A, fx)
-    state.owner.copy_source(handle.slot_id, "node-b", 7, pick=False)
+    state.owner.copy_source(handle.slot_id, "node-b", 7, pick=False, announce=True)
     state.owner.grant(handle, 0.0, kind="rdma", timeout=2.0)
     fx = Effects()
     state.owner.end_job(JOB_A, 0.1, fx)
