@@ -289,6 +289,11 @@ class RendezvousAgent:
         status["paths"] = snapshot["velo_rendezvous_rdma_path_total"]
         status["bytes_moved"] = snapshot["velo_bytes_moved_total"]
         status["leases_reaped"] = snapshot["velo_rendezvous_rdma_leases_reaped_total"]
+        # decorated payloads that rode inside their Ray call, by why (the only reason: no
+        # mapped arena fit inside the send; the timer then warms one for the next)
+        status["transparent_inline"] = {
+            "no_mapped_arena": snapshot["velo_transparent_inline_total"]
+        }
         return status
 
     def _transport(self) -> str:

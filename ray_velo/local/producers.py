@@ -52,6 +52,8 @@ class ProducerService:
                     core.poke()  # the timer maps an arena for the next payload
                     return None
                 placement, kind, registered = mapped
+                if core.memory.warm_up_wanted:
+                    core.poke()  # a spare arena of this size, for the next payload
         with core.changing() as fx:
             if core.closed:
                 if placement is not None:

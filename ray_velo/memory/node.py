@@ -163,7 +163,9 @@ class NodeMemory:
         Registered memory when the RDMA path is on, else plain; None when nothing mapped
         fits (the payload then travels inside the Ray call, as if undecorated), after asking
         the timer to warm an arena of that size up (:meth:`warm_up`) so that the next one
-        finds it."""
+        finds it. A payload that took the last warm dedicated arena of its size asks for a
+        spare too: on a steady pipeline the next round's payload is staged while this one's
+        readers still hold it (their releases cross the link), and must find another."""
         registered = rdma_enabled and self.pinned_pool is not None
         pool = self.pinned_pool if registered else self.plain_pool
         assert pool is not None
@@ -172,11 +174,16 @@ class NodeMemory:
             kind: SlotKind = "plain"
             if registered:
                 kind = "dedicated" if got.dedicated else "pooled"
+            if got.dedicated and not pool.has_warm(nbytes):
+                self._want_warm(registered, nbytes)
             return got, kind, registered
+        self._want_warm(registered, nbytes)
+        return None
+
+    def _want_warm(self, registered: bool, nbytes: int) -> None:
         if self._warm_up_allowed:
             with self._warm_up_lock:
                 self._warm_up_wanted.add((registered, nbytes))
-        return None
 
     @property
     def warm_up_wanted(self) -> bool:

@@ -839,6 +839,12 @@ class ArenaPool:
         self._warm.append(record)
         return True
 
+    def has_warm(self, nbytes: int) -> bool:
+        """Whether a warm dedicated arena would take a payload of ``nbytes`` now."""
+        size = page_round_up(nbytes)
+        with self._lock:
+            return any(size <= r.arena.nbytes <= size + size // 8 for r in self._warm)
+
     def _take_warm(self, size: int) -> _ArenaRecord | None:
         # _lock held. The smallest warm arena that holds `size` with at most 1/8 to spare
         # (the allocator's own bound on round-up waste).

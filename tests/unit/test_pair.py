@@ -537,3 +537,29 @@ def test_overlapping_fetches_beyond_the_references_are_refused(pair: AgentPair) 
             pair.end(lease)
     assert pair.consumer.core.metrics.snapshot()["velo_fetches_total"].get("rdma") == 1
     nothing_left(pair)
+
+
+def test_a_steady_pipeline_stages_every_round_after_the_first(tmp_path: Path) -> None:
+    """@rv.transfer on a steady pipeline: each round's 20 MiB result is staged while the
+    previous round's is still held (its readers' releases are crossing the link). Only the
+    first round rides inside its Ray call (no arena of that size is mapped yet, and none may
+    be mapped inside a send); from then on every round finds a warm arena, because taking the
+    last warm one of a size asks the timer for a spare. Each inline round is counted, with its
+    reason, in the metric and in ``ray-velo status``."""
+    with AgentPair(tmp_path / "shm") as pair:
+        inline, held = [], None
+        for round_ in range(12):
+            try:
+                handle = pair.put(payload(20 * MiB, round_), transparent=True)
+            except LookupError:  # the decorator leaves it in the Ray call
+                handle = None
+            inline.append(handle is None)
+            pair.tick()  # the agent's timer runs between rounds (warm-ups)
+            if held is not None:  # the previous round's reader finishes only now
+                assert pair.fetch(held) == payload(20 * MiB, round_ - 1)
+            held = handle
+        assert inline == [True] + [False] * 11
+        assert pair.owner.core.metrics.snapshot()["velo_transparent_inline_total"] == 1
+        assert pair.owner.status()["transparent_inline"] == {"no_mapped_arena": 1}
+        pair.fetch(held)
+        nothing_left(pair)
