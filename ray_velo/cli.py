@@ -101,7 +101,8 @@ def _bench_one_kind(args: argparse.Namespace) -> int | None:
     if args.transport:
         from ray_velo.bench.samehost import run_transport_bench
 
-        print(run_transport_bench(size, args.reps))
+        sizes = [int(float(s) * MiB) for s in (args.sizes or "256").split(",")]
+        print(run_transport_bench(sizes, args.reps))
         return 0
     return None
 
@@ -170,7 +171,7 @@ def _bench_two_host(args: argparse.Namespace) -> int:
     if args.transport:
         from ray_velo.bench.twohost import run_two_host_transport
 
-        print(run_two_host_transport(links, sizes[0], args.reps, security))
+        print(run_two_host_transport(links, sizes, args.reps, security))
         return 0
     results = run_two_host(
         links,

@@ -216,7 +216,7 @@ def _measure_chunked(
     return _moved(before, ray.get(consumer.path_counts.remote()))
 
 
-def measure_transport(size: int, reps: int) -> dict[str, Any]:
+def measure_transport(sizes: list[int], reps: int) -> dict[str, Any]:
     """``ray-velo bench --two-host --transport``: the tensor transports, host a to host b."""
     import ray_velo as rv
     from ray_velo.bench.transport import measure_transports
@@ -227,7 +227,7 @@ def measure_transport(size: int, reps: int) -> dict[str, Any]:
     result = measure_transports(
         {"resources": {info.hosts[0].resource: 1}},
         {"resources": {info.hosts[1].resource: 1}},
-        size,
+        sizes,
         reps,
         tick=lambda text: _say(f"  {text}"),
     )
@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fan_out:
         result = measure_fan_out_here(sizes[0], args.fan_out, args.reps)
     elif args.transport:
-        result = measure_transport(sizes[0], args.reps)
+        result = measure_transport(sizes, args.reps)
     else:
         from ray_velo.config import RdmaConfig, RdmaPoolConfig, VeloConfig
 

@@ -428,17 +428,17 @@ def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
     return "\n".join(lines)
 
 
-def run_transport_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
+def run_transport_bench(sizes: list[int], reps: int = 5) -> str:
     """The tensor transports (``tensor_transport="VELO"`` and ``"VELO_NUMPY"``, NIXL where
     installed) against Ray's object store, actor to actor across the two local nodes."""
     from ray_velo.bench.transport import format_transport, measure_transports
 
-    cluster = _Cluster(object_store_bytes=max(1 << 30, 6 * size_bytes))
+    cluster = _Cluster(object_store_bytes=max(1 << 30, 6 * max(sizes)))
     try:
         result = measure_transports(
             {"resources": {"node_a": 1}},
             {"resources": {"node_b": 1}},
-            size_bytes,
+            sizes,
             reps,
             tick=lambda text: _progress(0, 1, text),
         )

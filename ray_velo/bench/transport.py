@@ -1,18 +1,22 @@
 """``ray-velo bench --transport``: Ray Direct Transport objects actor to actor, side by side.
 
-One actor on the producer's host returns a 256 MiB payload; one actor on the consumer's host
-takes the ObjectRef as an argument and reads every page. Timed from the driver (submit both,
-get the consumer's small result), in one run, each column in a block of its own (a warm-up
-round, then the timed ones; the median is reported):
+One actor on the producer's host returns a payload; one actor on the consumer's host takes
+the ObjectRef as an argument and reads every page. Timed from the driver (submit both, get the
+consumer's small result), in one run, per size:
 
-* torch: Ray's object store (no transport), ``tensor_transport="NIXL"`` (where the ``nixl``
-  package is installed) and ``tensor_transport="VELO"``;
-* numpy: Ray's object store and ``tensor_transport="VELO_NUMPY"``;
+* torch, **interleaved** round by round after one warm-up round each: Ray's object store (no
+  transport), ``tensor_transport="NIXL"`` (where the ``nixl`` package is installed:
+  ``pip install 'ray-velo[nixl]'``) and ``tensor_transport="VELO"``, so the machine's
+  moods fall on all three alike; the median of each is reported. NIXL runs in a producer and
+  a consumer of its own on the same hosts: once its agent exists in a process its threads
+  slow everything else there (VELO ran at half speed after NIXL in the same actors);
+* numpy, each in a block of its own: Ray's object store and ``tensor_transport="VELO_NUMPY"``;
 * ordinary returns after registration: the same plain (object-store) numpy and torch returns
   from an actor that has already returned an RDT object of that type, against one that has
   not (Ray registers a process-wide serializer for the data type at the first RDT return).
 
-The same function runs on the embedded two-node cluster and inside a two-host testbed.
+The same function runs on the embedded two-node cluster and inside a two-host testbed, where
+the parent also probes the raw link (one TCP socket) for each size.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ def _classes(with_nixl: bool) -> tuple[Any, Any]:
     import torch
 
     class Producer:
-        def __init__(self, nbytes: int) -> None:
+        def __init__(self) -> None:
+            self.tensor = torch.ones(0, dtype=torch.float32)
+            self.array = np.ones(0, dtype=np.uint8)
+
+        def make(self, nbytes: int) -> bool:
+            """The payloads of this size (made untimed)."""
             self.tensor = torch.ones(nbytes // 4, dtype=torch.float32)
             self.array = np.ones(nbytes, dtype=np.uint8)
-
-        def ready(self) -> bool:
             return True
 
         def torch_plain(self) -> Any:
@@ -84,11 +91,12 @@ def _nixl_available() -> bool:
 def measure_transports(
     producer_options: dict[str, Any],
     consumer_options: dict[str, Any],
-    size_bytes: int = 256 * MiB,
+    sizes: list[int],
     reps: int = 5,
     tick: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Medians (seconds) per column, on the connected Ray cluster (``rv.init`` done)."""
+    """Per size, medians (seconds) per column, on the connected Ray cluster (``rv.init``
+    done): ``{"sizes": [{"size_bytes", "seconds", "consistent"}, ...], "reps", "nixl"}``."""
     import ray
 
     import ray_velo as rv
@@ -99,97 +107,122 @@ def measure_transports(
     # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
     make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
     producer_actor, consumer_actor = make_actor(producer_cls), make_actor(consumer_cls)
-    producer = producer_actor.options(**producer_options).remote(size_bytes)
-    fresh = producer_actor.options(**producer_options).remote(size_bytes)
+    producer = producer_actor.options(**producer_options).remote()
+    fresh = producer_actor.options(**producer_options).remote()
     consumer = consumer_actor.options(**consumer_options).remote()
-    ray.get([producer.ready.remote(), fresh.ready.remote(), consumer.ready.remote()])
-
-    columns = ["torch_plain", "torch_velo", "numpy_plain", "numpy_velo"]
+    pairs = {"torch_plain": (producer, consumer), "torch_velo": (producer, consumer)}
     if with_nixl:
-        columns.insert(1, "torch_nixl")
-    seconds: dict[str, list[float]] = {c: [] for c in columns}
-    seconds.update({"torch_plain_fresh": [], "numpy_plain_fresh": []})
-    values: dict[str, set[int]] = {}
+        pairs["torch_nixl"] = (
+            producer_actor.options(**producer_options).remote(),
+            consumer_actor.options(**consumer_options).remote(),
+        )
+    consumers = {reader for _, reader in pairs.values()}
+    ray.get([reader.ready.remote() for reader in consumers])
+    producers = [fresh, *{source for source, _ in pairs.values()}]
+    per_size = []
+    for size in sizes:
+        ray.get([source.make.remote(size) for source in producers])
+        per_size.append(_measure_size(pairs, fresh, size, reps, tick))
+    for actor in (*producers, *consumers):
+        ray.kill(actor)
+    return {"sizes": per_size, "reps": reps, "nixl": with_nixl}
 
-    def once(name: str, source: Any, method: str, keep: bool) -> None:
+
+def _measure_size(
+    pairs: dict[str, tuple[Any, Any]],
+    fresh: Any,
+    size: int,
+    reps: int,
+    tick: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """One size: the torch transports interleaved round by round (each column through its
+    (producer, consumer) pair), then the numpy and the fresh-actor columns each in a block."""
+    import ray
+
+    seconds: dict[str, list[float]] = {}
+    values: dict[str, set[int]] = {}
+    producer, consumer = pairs["torch_velo"]
+
+    def once(name: str, pair: tuple[Any, Any], method: str, keep: bool) -> None:
+        source, reader = pair
         started = time.perf_counter()
-        value = ray.get(consumer.read.remote(getattr(source, method).remote()), timeout=600)
+        value = ray.get(reader.read.remote(getattr(source, method).remote()), timeout=600)
         if keep:
-            seconds[name].append(time.perf_counter() - started)
+            seconds.setdefault(name, []).append(time.perf_counter() - started)
         values.setdefault(method, set()).add(value)
 
-    for name, source, method in _blocks(columns, producer, fresh):
+    for rep in range(reps + 1):  # round 0 warms every transport up, untimed
+        for column, pair in pairs.items():
+            once(column, pair, column, keep=rep > 0)
+    if tick is not None:
+        tick(f"{size >> 20} MiB: torch, {', '.join(pairs)} interleaved")
+    blocks = [
+        ("numpy_velo", (producer, consumer), "numpy_velo"),
+        ("numpy_plain", (producer, consumer), "numpy_plain"),
+        ("torch_plain_fresh", (fresh, consumer), "torch_plain"),
+        ("numpy_plain_fresh", (fresh, consumer), "numpy_plain"),
+    ]
+    for name, pair, method in blocks:
         for rep in range(reps + 1):
-            once(name, source, method, keep=rep > 0)
-        if tick is not None:
-            tick(name)
-    for actor in (producer, fresh, consumer):
-        ray.kill(actor)
+            once(name, pair, method, keep=rep > 0)
+    if tick is not None:
+        tick(f"{size >> 20} MiB: numpy and fresh actors")
     return {
-        "size_bytes": size_bytes,
-        "reps": reps,
-        "nixl": with_nixl,
-        "seconds": {c: statistics.median(v) for c, v in seconds.items() if v},
+        "size_bytes": size,
+        "seconds": {c: statistics.median(v) for c, v in seconds.items()},
         "consistent": all(len(v) == 1 for v in values.values()),
     }
 
 
-def _blocks(columns: list[str], producer: Any, fresh: Any) -> list[tuple[str, Any, str]]:
-    """The order the columns run in, as (column, source actor, method) blocks.
-
-    Each column in its own block (a warm-up, then ``reps`` timed rounds): a pipeline uses
-    one transport over and over, and on a small machine one column's garbage (a pickled
-    256 MiB tensor) would otherwise slow the next. The VELO columns run first, so the plain
-    returns of ``producer`` all come after it returned RDT objects of both types; NIXL
-    runs last, since its agent stays in both processes once made.
-    """
-    order = [c for c in columns if c.endswith("_velo")]
-    order += [c for c in columns if c not in order and c != "torch_nixl"]
-    blocks = [(c, producer, c) for c in order]
-    blocks += [
-        ("torch_plain_fresh", fresh, "torch_plain"),
-        ("numpy_plain_fresh", fresh, "numpy_plain"),
-    ]
-    blocks += [(c, producer, c) for c in columns if c == "torch_nixl"]
-    return blocks
-
-
-def format_transport(result: dict[str, Any], where: str) -> str:
-    """The table: time and GB/s per column, and the ratios the issue's targets name."""
-    size = result["size_bytes"]
-    s = result["seconds"]
-    rows = [
-        ("torch, Ray object store", "torch_plain"),
-        ("torch, tensor_transport=NIXL", "torch_nixl"),
-        ("torch, tensor_transport=VELO", "torch_velo"),
-        ("numpy, Ray object store", "numpy_plain"),
-        ("numpy, tensor_transport=VELO_NUMPY", "numpy_velo"),
-        ("torch, object store, fresh actor", "torch_plain_fresh"),
-        ("numpy, object store, fresh actor", "numpy_plain_fresh"),
-    ]
+def format_transport(
+    result: dict[str, Any], where: str, raw_s: dict[int, float] | None = None
+) -> str:
+    """The table: per size, ms and GB/s per column, and the ratios the targets name (VELO
+    over NIXL and over Ray's object store as speed, VELO over the raw link where probed)."""
+    raw_s = raw_s or {}
     lines = [
-        f"tensor transports, {size // MiB} MiB actor -> actor, {where} "
-        f"(median of {result['reps']}):"
+        f"tensor transports, actor -> actor, {where} (median of {result['reps']}; torch "
+        "columns interleaved round by round):",
+        "    size   Ray store      NIXL      VELO   VELO/NIXL  VELO/Ray  VELO/raw link   "
+        "numpy: store  VELO_NUMPY",
     ]
-    for label, key in rows:
-        if key in s:
-            lines.append(f"  {label:38s} {s[key] * 1e3:8.1f} ms {size / s[key] / 1e9:6.2f} GB/s")
-        elif key == "torch_nixl":
-            lines.append(f"  {label:38s}   (nixl not installed: pip install nixl)")
-
-    def ratio(a: str, b: str) -> str:
-        return f"{s[b] / s[a]:.2f}x" if a in s and b in s else "-"
-
+    for row in result["sizes"]:
+        lines.append(_size_line(row, raw_s.get(row["size_bytes"])))
+        if not row["consistent"]:
+            lines.append("  WARNING: the consumer read different values across rounds")
+    if not result["nixl"]:
+        lines.append("  NIXL: not installed here (pip install 'ray-velo[nixl]'): no NIXL column")
+    last = result["sizes"][-1]["seconds"]
     lines.append(
-        f"  VELO / NIXL {ratio('torch_velo', 'torch_nixl')}, "
-        f"VELO / object store {ratio('torch_velo', 'torch_plain')}, "
-        f"VELO_NUMPY / object store {ratio('numpy_velo', 'numpy_plain')}"
+        "  ms per transfer; VELO/NIXL and VELO/Ray: their time over VELO's (above 1.00x: VELO "
+        "is faster); VELO/raw link: a raw TCP socket's time over VELO's. Ordinary returns "
+        "after an RDT return vs a fresh actor (largest size): torch "
+        f"{_ratio(last, 'torch_plain', 'torch_plain_fresh')}, numpy "
+        f"{_ratio(last, 'numpy_plain', 'numpy_plain_fresh')} (1.00x = no cost)"
     )
-    lines.append(
-        "  ordinary returns after an RDT return vs a fresh actor: "
-        f"torch {ratio('torch_plain', 'torch_plain_fresh')}, "
-        f"numpy {ratio('numpy_plain', 'numpy_plain_fresh')} (1.00x = no cost)"
-    )
-    if not result["consistent"]:
-        lines.append("  WARNING: the consumer read different values across rounds")
     return "\n".join(lines)
+
+
+def _size_line(row: dict[str, Any], raw: float | None) -> str:
+    size, s = row["size_bytes"], row["seconds"]
+
+    def ms(key: str) -> str:
+        return f"{s[key] * 1e3:8.1f}" if key in s else "       -"
+
+    def speedup(key: str) -> str:
+        return f"{s[key] / s['torch_velo']:8.2f}x" if key in s else "        -"
+
+    to_raw = f"{raw / s['torch_velo']:13.2f}" if raw else "            -"
+    return (
+        f"  {_size_text(size):>6s}  {ms('torch_plain')}  {ms('torch_nixl')}  "
+        f"{ms('torch_velo')}  {speedup('torch_nixl')}  {speedup('torch_plain')}  {to_raw}"
+        f"      {ms('numpy_plain')}    {ms('numpy_velo')}"
+    )
+
+
+def _ratio(s: dict[str, float], a: str, b: str) -> str:
+    return f"{s[b] / s[a]:.2f}x" if a in s and b in s else "-"
+
+
+def _size_text(size: int) -> str:
+    return f"{size >> 30} GiB" if size >= 1 << 30 and size % (1 << 30) == 0 else f"{size >> 20} MiB"

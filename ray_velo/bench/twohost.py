@@ -197,19 +197,25 @@ def run_two_host(
 
 
 def run_two_host_transport(
-    links: Sequence[str], size: int, reps: int = 5, security: Security = DEFAULT_SECURITY
+    links: Sequence[str],
+    sizes: Sequence[int],
+    reps: int = 5,
+    security: Security = DEFAULT_SECURITY,
 ) -> str:
-    """``--transport``: the tensor transports across each link (one testbed each)."""
+    """``--transport``: the tensor transports across each link (one testbed each), per
+    size, with the raw link probed (one TCP socket) for each size after its rounds."""
     from ray_velo.bench.transport import format_transport
     from ray_velo.testbed import Testbed
+    from ray_velo.testbed.probes import raw_tcp
 
     out = []
     for link in links:
         sys.stderr.write(f"two-host testbed, link {link}: tensor transports\n")
-        store = max(1 << 30, 6 * size)
+        store = max(1 << 30, 6 * max(sizes))
         with Testbed(hosts=2, link=link, object_store_bytes=store, **security) as testbed:
-            measured = _drive(testbed, [size], reps, ["--transport"])
-        out.append(format_transport(measured, f"two hosts, {link} link, UCX over tcp"))
+            measured = _drive(testbed, list(sizes), reps, ["--transport"])
+            raw = {size: raw_tcp(testbed, size, reps) for size in sizes}
+        out.append(format_transport(measured, f"two hosts, {link} link, UCX over tcp", raw))
     return "\n\n".join(out)
 
 
