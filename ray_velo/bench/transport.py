@@ -8,8 +8,10 @@ consumer's small result), in one run, per size:
   transport), ``tensor_transport="NIXL"`` (where the ``nixl`` package is installed:
   ``pip install 'ray-velo[nixl]'``) and ``tensor_transport="VELO"``, so the machine's
   moods fall on all three alike; the median of each is reported. NIXL runs in a producer and
-  a consumer of its own on the same hosts: once its agent exists in a process its threads
-  slow everything else there (VELO ran at half speed after NIXL in the same actors);
+  a consumer of its own on the same hosts, made for each of its rounds (two untimed warm-up
+  transfers, then the timed one) and ended right after: an idle NIXL agent's progress thread
+  spins, a whole core per process (measured here: two idle NIXL actors at 100 % and 97 %), and
+  on this 2-core machine that halved every other transport's speed while they lived;
 * numpy, each in a block of its own: Ray's object store and ``tensor_transport="VELO_NUMPY"``;
 * ordinary returns after registration: the same plain (object-store) numpy and torch returns
   from an actor that has already returned an RDT object of that type, against one that has
@@ -28,6 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 MiB = 1 << 20
+#: Untimed transfers through a fresh NIXL pair before its timed one (its agents register
+#: memory and exchange metadata on first use).
+NIXL_WARM_UPS = 2
 
 __all__ = ["format_transport", "measure_transports"]
 
@@ -110,37 +115,46 @@ def measure_transports(
     producer = producer_actor.options(**producer_options).remote()
     fresh = producer_actor.options(**producer_options).remote()
     consumer = consumer_actor.options(**consumer_options).remote()
-    pairs = {"torch_plain": (producer, consumer), "torch_velo": (producer, consumer)}
+    pairs: dict[str, Any] = {
+        "torch_plain": (producer, consumer),
+        "torch_velo": (producer, consumer),
+    }
     if with_nixl:
-        pairs["torch_nixl"] = (
-            producer_actor.options(**producer_options).remote(),
-            consumer_actor.options(**consumer_options).remote(),
-        )
-    consumers = {reader for _, reader in pairs.values()}
-    ray.get([reader.ready.remote() for reader in consumers])
-    producers = [fresh, *{source for source, _ in pairs.values()}]
+
+        def nixl_pair(size: int) -> tuple[Any, Any]:
+            pair = (
+                producer_actor.options(**producer_options).remote(),
+                consumer_actor.options(**consumer_options).remote(),
+            )
+            ray.get([pair[0].make.remote(size), pair[1].ready.remote()])
+            return pair
+
+        pairs["torch_nixl"] = nixl_pair
+    ray.get(consumer.ready.remote())
     per_size = []
     for size in sizes:
-        ray.get([source.make.remote(size) for source in producers])
+        ray.get([producer.make.remote(size), fresh.make.remote(size)])
         per_size.append(_measure_size(pairs, fresh, size, reps, tick))
-    for actor in (*producers, *consumers):
+    for actor in (producer, fresh, consumer):
         ray.kill(actor)
     return {"sizes": per_size, "reps": reps, "nixl": with_nixl}
 
 
 def _measure_size(
-    pairs: dict[str, tuple[Any, Any]],
+    pairs: dict[str, Any],
     fresh: Any,
     size: int,
     reps: int,
     tick: Callable[[str], None] | None,
 ) -> dict[str, Any]:
     """One size: the torch transports interleaved round by round (each column through its
-    (producer, consumer) pair), then the numpy and the fresh-actor columns each in a block."""
+    (producer, consumer) pair; a callable makes a pair for one round, ended after it), then
+    the numpy and the fresh-actor columns each in a block."""
     import ray
 
     seconds: dict[str, list[float]] = {}
     values: dict[str, set[int]] = {}
+    failed: dict[str, int] = {}
     producer, consumer = pairs["torch_velo"]
 
     def once(name: str, pair: tuple[Any, Any], method: str, keep: bool) -> None:
@@ -151,9 +165,23 @@ def _measure_size(
             seconds.setdefault(name, []).append(time.perf_counter() - started)
         values.setdefault(method, set()).add(value)
 
-    for rep in range(reps + 1):  # round 0 warms every transport up, untimed
+    for rep in range(reps + 1):  # round 0 warms the long-lived transports up, untimed
         for column, pair in pairs.items():
-            once(column, pair, column, keep=rep > 0)
+            if callable(pair):  # a pair of its own for this round: warmed up, timed, ended
+                if rep == 0:
+                    continue
+                made = pair(size)
+                try:
+                    for _ in range(NIXL_WARM_UPS):
+                        once(column, made, column, keep=False)
+                    once(column, made, column, keep=True)
+                except ray.exceptions.RayError:  # counted, not fatal: the others go on
+                    failed[column] = failed.get(column, 0) + 1
+                finally:
+                    for actor in made:
+                        ray.kill(actor)
+            else:
+                once(column, pair, column, keep=rep > 0)
     if tick is not None:
         tick(f"{size >> 20} MiB: torch, {', '.join(pairs)} interleaved")
     blocks = [
@@ -169,6 +197,7 @@ def _measure_size(
         tick(f"{size >> 20} MiB: numpy and fresh actors")
     return {
         "size_bytes": size,
+        "failed": failed,
         "seconds": {c: statistics.median(v) for c, v in seconds.items()},
         "consistent": all(len(v) == 1 for v in values.values()),
     }
@@ -188,6 +217,8 @@ def format_transport(
     ]
     for row in result["sizes"]:
         lines.append(_size_line(row, raw_s.get(row["size_bytes"])))
+        for column, count in row.get("failed", {}).items():
+            lines.append(f"  {column}: {count} of {result['reps']} rounds failed (not timed)")
         if not row["consistent"]:
             lines.append("  WARNING: the consumer read different values across rounds")
     if not result["nixl"]:

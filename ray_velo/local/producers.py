@@ -43,6 +43,8 @@ class ProducerService:
                 placement, kind, registered = core.memory.allocate(
                     nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled
                 )
+                if core.memory.warm_up_wanted:
+                    core.poke()  # a spare arena of this size, for the next payload
             else:
                 mapped = core.memory.allocate_mapped(
                     nbytes, core.clock(), rdma_enabled=core.rdma_enabled

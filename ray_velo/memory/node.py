@@ -135,6 +135,10 @@ class NodeMemory:
         ``record``: count a pinned-staging fallback in the path metric (the owner's staging
         point, labels ``kill_switch``, ``budget``, ``pool_exhausted``: docs/protocol.md §9).
         Without a registered pool (no UCX) the data goes to plain memory, counting nothing.
+        A payload that took (or had to map) the last warm dedicated arena of its size asks
+        the timer for a spare, as :meth:`allocate_mapped` does: the next payload of that size
+        (a pipeline's next round, staged while readers hold this one) finds one mapped and
+        faulted in instead of mapping and faulting a fresh one inside its put.
 
         Raises:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
@@ -148,6 +152,8 @@ class NodeMemory:
                 got = self._take(self.pinned_pool, nbytes, now)
                 self._count_registrations()
                 if isinstance(got, Placement):
+                    if got.dedicated and not self.pinned_pool.has_warm(nbytes):
+                        self._want_warm(True, nbytes)
                     return got, "dedicated" if got.dedicated else "pooled", True
                 fallback = got.reason
         placement = self._plain(nbytes, now)

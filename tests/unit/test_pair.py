@@ -563,3 +563,23 @@ def test_a_steady_pipeline_stages_every_round_after_the_first(tmp_path: Path) ->
         assert pair.owner.status()["transparent_inline"] == {"no_mapped_arena": 1}
         pair.fetch(held)
         nothing_left(pair)
+
+
+def test_a_put_that_takes_the_last_warm_arena_of_its_size_gets_a_spare(tmp_path: Path) -> None:
+    """Explicit puts of one size while the previous is still held (a Ray Direct Transport
+    object lives until Ray frees its ref): from the second round on, each put finds a spare
+    arena the timer mapped beforehand, instead of mapping (and faulting) one inside the put."""
+    with AgentPair(tmp_path / "shm") as pair:
+        pool = pair.owner.core.memory.pinned_pool
+        assert pool is not None
+        held = pair.put(payload(20 * MiB, 0))
+        pair.tick()  # the timer maps the spare the first put asked for
+        for round_ in range(1, 6):
+            mapped = pool.arenas
+            handle = pair.put(payload(20 * MiB, round_))
+            assert pool.arenas == mapped, f"round {round_} mapped an arena inside its put"
+            pair.tick()
+            assert pair.fetch(held) == payload(20 * MiB, round_ - 1)
+            held = handle
+        pair.fetch(held)
+        nothing_left(pair)
