@@ -167,21 +167,10 @@ def _measure_size(
 
     for rep in range(reps + 1):  # round 0 warms the long-lived transports up, untimed
         for column, pair in pairs.items():
-            if callable(pair):  # a pair of its own for this round: warmed up, timed, ended
-                if rep == 0:
-                    continue
-                made = pair(size)
-                try:
-                    for _ in range(NIXL_WARM_UPS):
-                        once(column, made, column, keep=False)
-                    once(column, made, column, keep=True)
-                except ray.exceptions.RayError:  # counted, not fatal: the others go on
-                    failed[column] = failed.get(column, 0) + 1
-                finally:
-                    for actor in made:
-                        ray.kill(actor)
-            else:
+            if not callable(pair):
                 once(column, pair, column, keep=rep > 0)
+            elif rep > 0 and not _fresh_pair_round(pair(size), column, once):
+                failed[column] = failed.get(column, 0) + 1
     if tick is not None:
         tick(f"{size >> 20} MiB: torch, {', '.join(pairs)} interleaved")
     blocks = [
@@ -232,6 +221,25 @@ def format_transport(
         f"{_ratio(last, 'numpy_plain', 'numpy_plain_fresh')} (1.00x = no cost)"
     )
     return "\n".join(lines)
+
+
+def _fresh_pair_round(
+    pair: tuple[Any, Any], column: str, once: Callable[[str, tuple[Any, Any], str, bool], None]
+) -> bool:
+    """One timed round through a pair made for it (warmed up first), ended after; False
+    (nothing timed) when a transfer failed: counted, not fatal, the other columns go on."""
+    import ray
+
+    try:
+        for _ in range(NIXL_WARM_UPS):
+            once(column, pair, column, False)
+        once(column, pair, column, True)
+        return True
+    except ray.exceptions.RayError:
+        return False
+    finally:
+        for actor in pair:
+            ray.kill(actor)
 
 
 def _size_line(row: dict[str, Any], raw: float | None) -> str:
