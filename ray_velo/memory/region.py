@@ -202,24 +202,7 @@ class Region:
         self._registrar = registrar
         self._budget = budget
         self._on_released = on_released
-        start, end = page_range(address, nbytes)
-        estimate = end - start
-        if budget is not None and not budget.reserve(estimate):
-            raise BudgetExceeded(
-                requested_bytes=estimate,
-                registered_bytes=budget.registered_bytes,
-                budget_bytes=budget.budget_bytes,
-            )
-        try:
-            self._registration = registrar.register(address, nbytes)
-        except BaseException:
-            if budget is not None:
-                budget.release(estimate)
-            raise
-        start, end = self._registration.effective_range
-        self._charged = end - start
-        if budget is not None and self._charged != estimate:
-            budget.adjust(self._charged - estimate)  # count what the backend really pinned
+        self._registration, self._charged = _register_charged(address, nbytes, registrar, budget)
         self._cond = threading.Condition(threading.Lock())
         self._state = RegionState.REGISTERED
         self._in_flight = 0
@@ -560,3 +543,30 @@ def _background_deregister(region: Region, timeout_s: float) -> None:
         pass  # the shutdown sweep (or another owner of the region) got there first
     except Exception:
         _log.exception("background deregistration of region %s failed", region._describe())
+
+
+def _register_charged(
+    address: int, nbytes: int, registrar: Registrar, budget: RegistrationBudget | None
+) -> tuple[Registration, int]:
+    """Charge the budget for the pages, register them, and correct the charge to what the
+    backend really pinned: (registration, bytes charged). Nothing stays charged if the
+    registration fails; BudgetExceeded when the pages do not fit."""
+    start, end = page_range(address, nbytes)
+    estimate = end - start
+    if budget is not None and not budget.reserve(estimate):
+        raise BudgetExceeded(
+            requested_bytes=estimate,
+            registered_bytes=budget.registered_bytes,
+            budget_bytes=budget.budget_bytes,
+        )
+    try:
+        registration = registrar.register(address, nbytes)
+    except BaseException:
+        if budget is not None:
+            budget.release(estimate)
+        raise
+    start, end = registration.effective_range
+    charged = end - start
+    if budget is not None and charged != estimate:
+        budget.adjust(charged - estimate)  # count what the backend really pinned
+    return registration, charged
