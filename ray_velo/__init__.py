@@ -84,31 +84,21 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY_STAGING = {"StagedValue", "TransferOptions", "resolve", "resolve_stream", "transfer"}
-_LAZY_RDT = {"register_transports"}
-_LAZY_API = {
-    "PinnedBuf",
-    "PinnedWriter",
-    "RegionGuard",
-    "SendBuffer",
-    "alloc_pinned_writer",
-    "alloc_region",
-    "detach",
-    "empty",
-    "fetch",
-    "get",
-    "get_into",
-    "get_pinned",
-    "init",
-    "is_initialized",
-    "metadata",
-    "put",
-    "ref_handle",
-    "register_data",
-    "register_data_in_region",
-    "register_data_pinned",
-    "release",
-    "shutdown",
+# Ray-facing names that load on first use, so `import ray_velo` (and the pure protocol core
+# under it) never imports Ray.
+_LAZY = {
+    name: module
+    for module, names in (
+        ("ray_velo.staging", "StagedValue TransferOptions resolve resolve_stream transfer"),
+        ("ray_velo.rdt", "register_transports"),
+        (
+            "ray_velo.api",
+            "PinnedBuf PinnedWriter RegionGuard SendBuffer alloc_pinned_writer alloc_region detach"
+            " empty fetch get get_into get_pinned init is_initialized metadata put ref_handle"
+            " register_data register_data_in_region register_data_pinned release shutdown",
+        ),
+    )
+    for name in names.split()
 }
 
 __all__ = [
@@ -174,20 +164,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The Ray-facing API loads on first use, so `import ray_velo` (and the pure protocol
-    # core under it) never imports Ray.
-    if name in _LAZY_API or name in _LAZY_STAGING or name in _LAZY_RDT:
-        module = (
-            "ray_velo.api"
-            if name in _LAZY_API
-            else "ray_velo.staging"
-            if name in _LAZY_STAGING
-            else "ray_velo.rdt"
-        )
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ray_velo' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ray_velo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

@@ -62,8 +62,6 @@ class WindowSet:
         self._live: dict[int, Registration] = {}
         self._charged = 0
         self._closed = False
-        #: Windows registered over the set's life (the tests' sign that windows moved).
-        self.registered_total = 0
 
     def charge_bytes(self) -> int:
         """What opening charges: the ``depth`` largest windows' whole pages."""
@@ -125,7 +123,6 @@ class WindowSet:
                     raise RuntimeError(f"{self.depth} windows registered already")
                 registration = self._registrar.register(self.address + start, stop - start)
                 self._live[index] = registration
-                self.registered_total += 1
         return registration, self.address + start, stop - start
 
     def done_through(self, index: int) -> None:

@@ -111,8 +111,3 @@ class RdmaDescriptor:
             rkey=data[DESCRIPTOR_HEADER_BYTES:],
             backend=backend,
         )
-
-    @property
-    def backend_name(self) -> str:
-        """The backend's name as an offer carries it (``"ucx"``)."""
-        return BACKEND_NAMES[self.backend]

@@ -55,8 +55,6 @@ MEM_TYPE_BYTES = 1
 HEADER_BYTES = MD_MAP_BYTES + MEM_TYPE_BYTES
 """md_map + mem_type: the shortest key (9 bytes, md_map == 0, the tcp/cma dummy key)."""
 
-UCS_MEMORY_TYPE_HOST = int(MemoryType.HOST)
-
 SYS_DEVICE_ID_UNKNOWN = 0xFF
 """``UCS_SYS_DEVICE_ID_UNKNOWN``: no distance list follows; also the list terminator."""
 
