@@ -7,22 +7,8 @@ port with a ``ray_`` prefix (docs/metrics.md lists the exported names). ``snapsh
 the counters to tests and to ``ray-velo status``; :func:`prometheus_registry` renders a
 snapshot for a standalone Prometheus scrape. No handle or lease id is ever a label.
 
-The protocol's series (docs/protocol.md §17; name inside Ray -> exported name):
-
-* ``velo_rendezvous_rdma_path`` {path, reason} -> ``ray_velo_rendezvous_rdma_path_total``
-* ``velo_rendezvous_rdma_get_duration_seconds`` (histogram)
-* ``velo_rendezvous_rdma_leases_reaped`` -> ``ray_velo_rendezvous_rdma_leases_reaped_total``
-* ``velo_rdma_registered_bytes`` (gauge), ``velo_rdma_live_regions`` (gauge)
-* ``velo_rdma_registrations`` {kind} -> ``ray_velo_rdma_registrations_total``
-
-Operator series: ``velo_bytes_moved`` {path}, ``velo_fetch_duration_seconds`` {path},
-``velo_live_slots``, ``velo_staged_bytes``, ``velo_arenas`` {pool}, ``velo_rdma_budget_bytes``,
-``velo_transparent_inline`` (transparent payloads that no mapped arena could take),
-``velo_device_staged`` {reason} (CUDA tensors staged through host memory).
-
-Security series: ``velo_wire_auth_failures`` {reason} (TCP wire peers that failed the
-handshake, on either side) and ``velo_socket_auth_failures`` (processes of another user
-refused at the agent's Unix socket).
+:data:`_SERIES` lists every series once, for both exports: the protocol's (docs/protocol.md
+§17), the operator's and the security ones.
 
 Every counter exists from the agent's start (at 0, for each label value it can take) and
 every gauge is set then and re-set on the agent's timer (:data:`GAUGE_REFRESH_S`), so a
@@ -39,7 +25,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ray_velo.protocol.handshake import WIRE_AUTH_REASONS
 from ray_velo.protocol.path import (
@@ -51,11 +37,6 @@ from ray_velo.protocol.path import (
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
     from prometheus_client.metrics_core import Metric
 
 __all__ = ["GAUGE_REFRESH_S", "GET_BUCKETS_S", "AgentMetrics", "Gauges", "prometheus_registry"]
@@ -128,139 +109,129 @@ SOCKET_AUTH_HELP = "Connections to the agent's Unix socket from another user, cl
 RELAY_HELP = "Fetches whose bytes came (some or all) from another node's copy, not the owner."
 
 
+@dataclass(frozen=True, slots=True)
+class _Series:
+    """One exported series: name, kind, help text, and its labels besides ``node``."""
+
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    help: str
+    labels: tuple[str, ...] = ()
+    exported_by: Literal["both", "ray", "scrape"] = "both"
+
+
+#: Every series, by the key both exports hold it under, in the order a scrape lists them.
+#: Ray's export times fetches (a histogram); the standalone scrape counts them.
+_SERIES: dict[str, _Series] = {
+    "inline": _Series("velo_transparent_inline", "counter", INLINE_HELP),
+    "arenas": _Series(
+        "velo_arenas", "gauge", "Arenas mapped, by pool (registered, plain).", ("pool",)
+    ),
+    "budget": _Series(
+        "velo_rdma_budget_bytes",
+        "gauge",
+        "The registered-bytes budget (registered_bytes / this = budget used).",
+    ),
+    "path": _Series(
+        "velo_rendezvous_rdma_path",
+        "counter",
+        "Path decisions with their reason (reason=ok is the only path=rdma label).",
+        ("path", "reason"),
+    ),
+    "get_duration": _Series(
+        "velo_rendezvous_rdma_get_duration_seconds",
+        "histogram",
+        "RDMA GET time, without the acquire round trip.",
+    ),
+    "reaped": _Series(
+        "velo_rendezvous_rdma_leases_reaped",
+        "counter",
+        "RDMA leases the owner reaper force-released.",
+    ),
+    "registered": _Series(
+        "velo_rdma_registered_bytes", "gauge", "Mapped bytes, pool and external."
+    ),
+    "registrations": _Series(
+        "velo_rdma_registrations", "counter", "Registrations, kind = arena or external.", ("kind",)
+    ),
+    "live_regions": _Series(
+        "velo_rdma_live_regions", "gauge", "Regions the backend holds registered."
+    ),
+    "bytes_moved": _Series(
+        "velo_bytes_moved", "counter", "Payload bytes fetched, by path.", ("path",)
+    ),
+    "fetches": _Series(
+        "velo_fetches", "counter", "Fetches, by path.", ("path",), exported_by="scrape"
+    ),
+    "fetch_duration": _Series(
+        "velo_fetch_duration_seconds",
+        "histogram",
+        "Fetch time on the consumer, acquire to last byte, by path.",
+        ("path",),
+        exported_by="ray",
+    ),
+    "relayed": _Series("velo_relay_fetches", "counter", RELAY_HELP),
+    "device_staged": _Series("velo_device_staged", "counter", DEVICE_STAGED_HELP, ("reason",)),
+    "live_slots": _Series("velo_live_slots", "gauge", "Slots staged on this agent."),
+    "staged_bytes": _Series("velo_staged_bytes", "gauge", "Bytes staged on this agent."),
+    "wire_auth_failures": _Series(
+        "velo_wire_auth_failures", "counter", WIRE_AUTH_HELP, ("reason",)
+    ),
+    "socket_auth_failures": _Series("velo_socket_auth_failures", "counter", SOCKET_AUTH_HELP),
+}
+
+
 class _RayExport:
     """The ``ray.util.metrics`` twins of the counters (created only inside a Ray worker)."""
 
     def __init__(self, node_id: str) -> None:
-        self._create_spec_series()
-        self._create_operator_series()
-        tags = {"node": node_id}
-        for metric in (
-            self.inline,
-            self.arenas,
-            self.budget,
-            self.path,
-            self.get_duration,
-            self.reaped,
-            self.registered,
-            self.registrations,
-            self.live_regions,
-            self.bytes_moved,
-            self.fetch_duration,
-            self.relayed,
-            self.device_staged,
-            self.live_slots,
-            self.staged_bytes,
-            self.wire_auth_failures,
-            self.socket_auth_failures,
-        ):
-            metric.set_default_tags(tags)
+        from ray.util import metrics as rm
+
+        make = {"counter": rm.Counter, "gauge": rm.Gauge, "histogram": rm.Histogram}
+        self.series: dict[str, Any] = {}
+        for key, series in _SERIES.items():
+            if series.exported_by == "scrape":
+                continue
+            extra = {"boundaries": GET_BUCKETS_S} if series.kind == "histogram" else {}
+            metric = make[series.kind](
+                series.name, series.help, tag_keys=(*series.labels, "node"), **extra
+            )
+            metric.set_default_tags({"node": node_id})
+            self.series[key] = metric
         self._prime()
 
-    def _create_spec_series(self) -> None:
-        """The protocol's series: path decisions, GET duration, reaped leases, registrations."""
-        from ray.util import metrics as rm
-
-        self.path = rm.Counter(
-            "velo_rendezvous_rdma_path",
-            "Path decisions with their reason (reason=ok is the only path=rdma label).",
-            tag_keys=("path", "reason", "node"),
-        )
-        self.get_duration = rm.Histogram(
-            "velo_rendezvous_rdma_get_duration_seconds",
-            "RDMA GET time, without the acquire round trip.",
-            boundaries=GET_BUCKETS_S,
-            tag_keys=("node",),
-        )
-        self.reaped = rm.Counter(
-            "velo_rendezvous_rdma_leases_reaped",
-            "RDMA leases the owner reaper force-released.",
-            tag_keys=("node",),
-        )
-        self.registered = rm.Gauge(
-            "velo_rdma_registered_bytes", "Mapped bytes, pool and external.", tag_keys=("node",)
-        )
-        self.registrations = rm.Counter(
-            "velo_rdma_registrations",
-            "Registrations, kind = arena or external.",
-            tag_keys=("kind", "node"),
-        )
-        self.live_regions = rm.Gauge(
-            "velo_rdma_live_regions", "Regions the backend holds registered.", tag_keys=("node",)
-        )
-
-    def _create_operator_series(self) -> None:
-        """The operator series: bytes and fetch time by path, slots, arenas, budget, inline."""
-        from ray.util import metrics as rm
-
-        self.bytes_moved = rm.Counter(
-            "velo_bytes_moved", "Payload bytes fetched, by path.", tag_keys=("path", "node")
-        )
-        self.fetch_duration = rm.Histogram(
-            "velo_fetch_duration_seconds",
-            "Fetch time on the consumer, acquire to last byte, by path.",
-            boundaries=GET_BUCKETS_S,
-            tag_keys=("path", "node"),
-        )
-        self.relayed = rm.Counter("velo_relay_fetches", RELAY_HELP, tag_keys=("node",))
-        self.live_slots = rm.Gauge(
-            "velo_live_slots", "Slots staged on this agent.", tag_keys=("node",)
-        )
-        self.staged_bytes = rm.Gauge(
-            "velo_staged_bytes", "Bytes staged on this agent.", tag_keys=("node",)
-        )
-        self.arenas = rm.Gauge(
-            "velo_arenas", "Arenas mapped, by pool (registered, plain).", tag_keys=("pool", "node")
-        )
-        self.budget = rm.Gauge(
-            "velo_rdma_budget_bytes",
-            "The registered-bytes budget (registered_bytes / this = budget used).",
-            tag_keys=("node",),
-        )
-        self.inline = rm.Counter(
-            "velo_transparent_inline",
-            INLINE_HELP,
-            tag_keys=("node",),
-        )
-        self.device_staged = rm.Counter(
-            "velo_device_staged", DEVICE_STAGED_HELP, tag_keys=("reason", "node")
-        )
-        self.wire_auth_failures = rm.Counter(
-            "velo_wire_auth_failures", WIRE_AUTH_HELP, tag_keys=("reason", "node")
-        )
-        self.socket_auth_failures = rm.Counter(
-            "velo_socket_auth_failures", SOCKET_AUTH_HELP, tag_keys=("node",)
-        )
+    def __getitem__(self, key: str) -> Any:
+        return self.series[key]
 
     def _prime(self) -> None:
         """Every counter at 0 for each label value it can take (Ray's ``inc`` refuses 0; where
         this Ray cannot record a zero, the series appear on first use, as before)."""
         from ray_velo._ray import record_zero
 
-        if not record_zero(self.reaped):
+        if not record_zero(self["reaped"]):
             _log.warning("ray_velo: this Ray cannot export zero counters; they appear on use")
             return
         for path, reason in PATH_LABELS:
-            record_zero(self.path, {"path": path, "reason": reason})
-        for counter in (self.inline, self.relayed, self.socket_auth_failures):
+            record_zero(self["path"], {"path": path, "reason": reason})
+        for counter in (self["inline"], self["relayed"], self["socket_auth_failures"]):
             record_zero(counter)
         for reason in DEVICE_STAGING_REASONS:
-            record_zero(self.device_staged, {"reason": reason})
+            record_zero(self["device_staged"], {"reason": reason})
         for reason in WIRE_AUTH_REASONS:
-            record_zero(self.wire_auth_failures, {"reason": reason})
+            record_zero(self["wire_auth_failures"], {"reason": reason})
         for kind in REGISTRATION_KINDS:
-            record_zero(self.registrations, {"kind": kind})
+            record_zero(self["registrations"], {"kind": kind})
         for path in FETCH_PATHS:
-            record_zero(self.bytes_moved, {"path": path})
+            record_zero(self["bytes_moved"], {"path": path})
 
     def set_gauges(self, gauges: Gauges) -> None:
-        self.registered.set(gauges.registered_bytes)
-        self.live_regions.set(gauges.live_regions)
-        self.live_slots.set(gauges.live_slots)
-        self.staged_bytes.set(gauges.staged_bytes)
-        self.arenas.set(gauges.registered_arenas, {"pool": "registered"})
-        self.arenas.set(gauges.plain_arenas, {"pool": "plain"})
-        self.budget.set(gauges.budget_bytes)
+        self["registered"].set(gauges.registered_bytes)
+        self["live_regions"].set(gauges.live_regions)
+        self["live_slots"].set(gauges.live_slots)
+        self["staged_bytes"].set(gauges.staged_bytes)
+        self["arenas"].set(gauges.registered_arenas, {"pool": "registered"})
+        self["arenas"].set(gauges.plain_arenas, {"pool": "plain"})
+        self["budget"].set(gauges.budget_bytes)
 
 
 class AgentMetrics:
@@ -304,7 +275,7 @@ class AgentMetrics:
         with self._lock:
             self.path_total[(path, reason)] += 1
         if self._ray is not None:
-            self._ray.path.inc(1, {"path": path, "reason": reason})
+            self._ray["path"].inc(1, {"path": path, "reason": reason})
 
     def get_completed(self, seconds: float) -> None:
         """Count one completed RDMA GET that took ``seconds`` (without the acquire)."""
@@ -313,7 +284,7 @@ class AgentMetrics:
             self.get_duration_count += 1
             self.get_duration_sum_s += seconds
         if self._ray is not None:
-            self._ray.get_duration.observe(seconds)
+            self._ray["get_duration"].observe(seconds)
 
     def leases_reaped(self, count: int) -> None:
         """Count ``count`` RDMA leases the owner's reaper force-released."""
@@ -322,7 +293,7 @@ class AgentMetrics:
         with self._lock:
             self.leases_reaped_total += count
         if self._ray is not None:
-            self._ray.reaped.inc(count)
+            self._ray["reaped"].inc(count)
 
     def device_staged(self, reason: str) -> None:
         """Count one CUDA tensor staged through host memory (``reason``: one of
@@ -330,7 +301,7 @@ class AgentMetrics:
         with self._lock:
             self.device_staged_total[reason] += 1
         if self._ray is not None:
-            self._ray.device_staged.inc(1, {"reason": reason})
+            self._ray["device_staged"].inc(1, {"reason": reason})
 
     def wire_auth_failed(self, reason: str) -> None:
         """Count one TCP wire peer that failed the handshake (``reason``: one of
@@ -338,14 +309,14 @@ class AgentMetrics:
         with self._lock:
             self.wire_auth_failures[reason] += 1
         if self._ray is not None:
-            self._ray.wire_auth_failures.inc(1, {"reason": reason})
+            self._ray["wire_auth_failures"].inc(1, {"reason": reason})
 
     def socket_auth_failed(self) -> None:
         """Count one connection to the agent's Unix socket from another user."""
         with self._lock:
             self.socket_auth_failures_total += 1
         if self._ray is not None:
-            self._ray.socket_auth_failures.inc(1)
+            self._ray["socket_auth_failures"].inc(1)
 
     def transparent_declined(self) -> None:
         """Count one transparent payload that no mapped arena could take (it travels inside
@@ -353,7 +324,7 @@ class AgentMetrics:
         with self._lock:
             self.transparent_inline_total += 1
         if self._ray is not None:
-            self._ray.inline.inc(1)
+            self._ray["inline"].inc(1)
 
     def registration(self, kind: str, registered_bytes: int) -> None:
         """Count one registration (``kind`` arena or external); set the registered bytes."""
@@ -361,7 +332,7 @@ class AgentMetrics:
             self.registrations_total[kind] += 1
         self.set_registered(registered_bytes)
         if self._ray is not None:
-            self._ray.registrations.inc(1, {"kind": kind})
+            self._ray["registrations"].inc(1, {"kind": kind})
 
     def set_registered(self, registered_bytes: int, live_regions: int | None = None) -> None:
         """Set the registered-bytes gauge, and the live-regions gauge when given."""
@@ -370,9 +341,9 @@ class AgentMetrics:
             if live_regions is not None:
                 self.live_regions = live_regions
         if self._ray is not None:
-            self._ray.registered.set(registered_bytes)
+            self._ray["registered"].set(registered_bytes)
             if live_regions is not None:
-                self._ray.live_regions.set(live_regions)
+                self._ray["live_regions"].set(live_regions)
 
     def fetched(self, path: str, nbytes: int, seconds: float) -> None:
         """Count one fetch of ``nbytes`` bytes over ``path`` that took ``seconds``."""
@@ -381,23 +352,23 @@ class AgentMetrics:
             self.fetches[path] += 1
         if self._ray is not None:
             if nbytes > 0:  # Ray counters refuse a zero increment
-                self._ray.bytes_moved.inc(nbytes, {"path": path})
-            self._ray.fetch_duration.observe(seconds, {"path": path})
+                self._ray["bytes_moved"].inc(nbytes, {"path": path})
+            self._ray["fetch_duration"].observe(seconds, {"path": path})
 
     def relayed(self) -> None:
         """Count one fetch whose bytes came (some or all) from another node's copy."""
         with self._lock:
             self.relay_fetches_total += 1
         if self._ray is not None:
-            self._ray.relayed.inc(1)
+            self._ray["relayed"].inc(1)
 
     def set_slots(self, live_slots: int, staged_bytes: int) -> None:
         """Set the live-slots and staged-bytes gauges."""
         with self._lock:
             self.live_slots, self.staged_bytes = live_slots, staged_bytes
         if self._ray is not None:
-            self._ray.live_slots.set(live_slots)
-            self._ray.staged_bytes.set(staged_bytes)
+            self._ray["live_slots"].set(live_slots)
+            self._ray["staged_bytes"].set(staged_bytes)
 
     def refresh(self, gauges: Gauges) -> None:
         """Set every gauge (the agent's timer calls this every :data:`GAUGE_REFRESH_S`)."""
@@ -471,160 +442,59 @@ def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> CollectorRegist
 
 
 def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-    families = _SnapshotFamilies.create()
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    make = {
+        "counter": CounterMetricFamily,
+        "gauge": GaugeMetricFamily,
+        "histogram": HistogramMetricFamily,
+    }
+    families = {
+        key: make[series.kind](series.name, series.help, labels=(*series.labels, "node"))
+        for key, series in _SERIES.items()
+        if series.exported_by != "ray"
+    }
     for node, snap in sorted(snapshots.items()):
-        families.add_snapshot(node, snap)
-    yield from families.in_export_order()
+        _add_snapshot(families, node, snap)
+    yield from families.values()
 
 
-@dataclass(frozen=True, slots=True)
-class _SnapshotFamilies:
-    """One metric family per series, filled from every agent's snapshot (labelled by node)."""
-
-    path: CounterMetricFamily
-    get_duration: HistogramMetricFamily
-    reaped: CounterMetricFamily
-    registered: GaugeMetricFamily
-    registrations: CounterMetricFamily
-    regions: GaugeMetricFamily
-    bytes_moved: CounterMetricFamily
-    fetches: CounterMetricFamily
-    live_slots: GaugeMetricFamily
-    staged_bytes: GaugeMetricFamily
-    arenas: GaugeMetricFamily
-    budget: GaugeMetricFamily
-    inline: CounterMetricFamily
-    relayed: CounterMetricFamily
-    device_staged: CounterMetricFamily
-    wire_auth_failures: CounterMetricFamily
-    socket_auth_failures: CounterMetricFamily
-
-    @classmethod
-    def create(cls) -> _SnapshotFamilies:
-        """Every family, empty."""
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
-
-        return cls(
-            path=CounterMetricFamily(
-                "velo_rendezvous_rdma_path",
-                "Path decisions with their reason (reason=ok is the only path=rdma label).",
-                labels=("path", "reason", "node"),
-            ),
-            get_duration=HistogramMetricFamily(
-                "velo_rendezvous_rdma_get_duration_seconds",
-                "RDMA GET time, without the acquire round trip.",
-                labels=("node",),
-            ),
-            reaped=CounterMetricFamily(
-                "velo_rendezvous_rdma_leases_reaped",
-                "RDMA leases the owner reaper force-released.",
-                labels=("node",),
-            ),
-            registered=GaugeMetricFamily(
-                "velo_rdma_registered_bytes", "Mapped bytes, pool and external.", labels=("node",)
-            ),
-            registrations=CounterMetricFamily(
-                "velo_rdma_registrations",
-                "Registrations, kind = arena or external.",
-                labels=("kind", "node"),
-            ),
-            regions=GaugeMetricFamily(
-                "velo_rdma_live_regions", "Regions the backend holds registered.", labels=("node",)
-            ),
-            bytes_moved=CounterMetricFamily(
-                "velo_bytes_moved", "Payload bytes fetched, by path.", labels=("path", "node")
-            ),
-            fetches=CounterMetricFamily(
-                "velo_fetches", "Fetches, by path.", labels=("path", "node")
-            ),
-            relayed=CounterMetricFamily("velo_relay_fetches", RELAY_HELP, labels=("node",)),
-            live_slots=GaugeMetricFamily("velo_live_slots", "Slots staged.", labels=("node",)),
-            staged_bytes=GaugeMetricFamily("velo_staged_bytes", "Bytes staged.", labels=("node",)),
-            arenas=GaugeMetricFamily(
-                "velo_arenas", "Arenas mapped, by pool.", labels=("pool", "node")
-            ),
-            budget=GaugeMetricFamily(
-                "velo_rdma_budget_bytes", "The registered-bytes budget.", labels=("node",)
-            ),
-            inline=CounterMetricFamily("velo_transparent_inline", INLINE_HELP, labels=("node",)),
-            device_staged=CounterMetricFamily(
-                "velo_device_staged", DEVICE_STAGED_HELP, labels=("reason", "node")
-            ),
-            **cls._security_families(),
-        )
-
-    @staticmethod
-    def _security_families() -> dict[str, CounterMetricFamily]:
-        """The security series' families, empty."""
-        from prometheus_client.core import CounterMetricFamily
-
-        return {
-            "wire_auth_failures": CounterMetricFamily(
-                "velo_wire_auth_failures", WIRE_AUTH_HELP, labels=("reason", "node")
-            ),
-            "socket_auth_failures": CounterMetricFamily(
-                "velo_socket_auth_failures", SOCKET_AUTH_HELP, labels=("node",)
-            ),
-        }
-
-    def add_snapshot(self, node: str, snap: dict[str, Any]) -> None:
-        """One agent's snapshot (:meth:`AgentMetrics.snapshot`) as samples labelled ``node``."""
-        for key, n in snap["velo_rendezvous_rdma_path_total"].items():
-            p, reason = key.split("/", 1)
-            self.path.add_metric((p, reason, node), n)
-        histogram = snap["velo_rendezvous_rdma_get_duration_seconds"]
-        self.get_duration.add_metric(
-            (node,), list(histogram["buckets"].items()), sum_value=histogram["sum"]
-        )
-        self.reaped.add_metric((node,), snap["velo_rendezvous_rdma_leases_reaped_total"])
-        self.registered.add_metric((node,), snap["velo_rdma_registered_bytes"])
-        for kind, n in snap["velo_rdma_registrations_total"].items():
-            self.registrations.add_metric((kind, node), n)
-        self.regions.add_metric((node,), snap["velo_rdma_live_regions"])
-        for p, n in snap["velo_bytes_moved_total"].items():
-            self.bytes_moved.add_metric((p, node), n)
-        for p, n in snap["velo_fetches_total"].items():
-            self.fetches.add_metric((p, node), n)
-        self.live_slots.add_metric((node,), snap["velo_live_slots"])
-        self.staged_bytes.add_metric((node,), snap["velo_staged_bytes"])
-        for pool, n in snap["velo_arenas"].items():
-            self.arenas.add_metric((pool, node), n)
-        self.budget.add_metric((node,), snap["velo_rdma_budget_bytes"])
-        self.inline.add_metric((node,), snap.get("velo_transparent_inline_total", 0))
-        self.relayed.add_metric((node,), snap.get("velo_relay_fetches_total", 0))
-        for reason, n in snap.get("velo_device_staged_total", {}).items():
-            self.device_staged.add_metric((reason, node), n)
-        for reason, n in snap.get("velo_wire_auth_failures_total", {}).items():
-            self.wire_auth_failures.add_metric((reason, node), n)
-        self.socket_auth_failures.add_metric(
-            (node,), snap.get("velo_socket_auth_failures_total", 0)
-        )
-
-    def in_export_order(self) -> tuple[Metric, ...]:
-        """The families in the order a scrape lists them."""
-        return (
-            self.inline,
-            self.arenas,
-            self.budget,
-            self.path,
-            self.get_duration,
-            self.reaped,
-            self.registered,
-            self.registrations,
-            self.regions,
-            self.bytes_moved,
-            self.fetches,
-            self.relayed,
-            self.device_staged,
-            self.live_slots,
-            self.staged_bytes,
-            self.wire_auth_failures,
-            self.socket_auth_failures,
-        )
+def _add_snapshot(families: dict[str, Any], node: str, snap: dict[str, Any]) -> None:
+    """One agent's snapshot (:meth:`AgentMetrics.snapshot`) as samples labelled ``node``."""
+    for key, n in snap["velo_rendezvous_rdma_path_total"].items():
+        p, reason = key.split("/", 1)
+        families["path"].add_metric((p, reason, node), n)
+    histogram = snap["velo_rendezvous_rdma_get_duration_seconds"]
+    families["get_duration"].add_metric(
+        (node,), list(histogram["buckets"].items()), sum_value=histogram["sum"]
+    )
+    families["reaped"].add_metric((node,), snap["velo_rendezvous_rdma_leases_reaped_total"])
+    families["registered"].add_metric((node,), snap["velo_rdma_registered_bytes"])
+    for kind, n in snap["velo_rdma_registrations_total"].items():
+        families["registrations"].add_metric((kind, node), n)
+    families["live_regions"].add_metric((node,), snap["velo_rdma_live_regions"])
+    for p, n in snap["velo_bytes_moved_total"].items():
+        families["bytes_moved"].add_metric((p, node), n)
+    for p, n in snap["velo_fetches_total"].items():
+        families["fetches"].add_metric((p, node), n)
+    families["live_slots"].add_metric((node,), snap["velo_live_slots"])
+    families["staged_bytes"].add_metric((node,), snap["velo_staged_bytes"])
+    for pool, n in snap["velo_arenas"].items():
+        families["arenas"].add_metric((pool, node), n)
+    families["budget"].add_metric((node,), snap["velo_rdma_budget_bytes"])
+    families["inline"].add_metric((node,), snap.get("velo_transparent_inline_total", 0))
+    families["relayed"].add_metric((node,), snap.get("velo_relay_fetches_total", 0))
+    for reason, n in snap.get("velo_device_staged_total", {}).items():
+        families["device_staged"].add_metric((reason, node), n)
+    for reason, n in snap.get("velo_wire_auth_failures_total", {}).items():
+        families["wire_auth_failures"].add_metric((reason, node), n)
+    families["socket_auth_failures"].add_metric(
+        (node,), snap.get("velo_socket_auth_failures_total", 0)
+    )
 
 
 class _SnapshotCollector:
