@@ -80,22 +80,7 @@ class Gauges:
 
 
 #: Histogram buckets for GET and fetch durations (seconds): 100 us .. 60 s.
-GET_BUCKETS_S = [
-    0.0001,
-    0.0005,
-    0.001,
-    0.005,
-    0.01,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    60.0,
-]
+GET_BUCKETS_S = [1e-4, 5e-4, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0]
 
 
 #: The help texts of the security series (Ray's export and the standalone registry).
