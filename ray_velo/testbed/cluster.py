@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from types import TracebackType
 from typing import Any, Final
 
 from ray_velo.testbed.errors import TestbedError
@@ -212,12 +211,7 @@ class Testbed:
     def __enter__(self) -> Testbed:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- Ray ---------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 
 from ray_velo.testbed.cluster import remove_segments_of
 from ray_velo.testbed.errors import TestbedError
@@ -156,10 +155,5 @@ class OneHostCluster:
     def __enter__(self) -> OneHostCluster:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

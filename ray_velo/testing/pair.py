@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -287,12 +286,7 @@ class AgentPair:
     def __enter__(self) -> AgentPair:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -42,7 +42,6 @@ import mmap
 import os
 import threading
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any, Final
 
 from ray_velo.errors import ConfigError, UcxError
@@ -251,12 +250,7 @@ class _Node(abc.ABC):
     def __enter__(self) -> Any:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
