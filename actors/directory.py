@@ -59,13 +59,6 @@ _WIRE_SECRET_KEY = b"wire_secret"
 AGENT_THREADS = 64
 #: Calls one agent has in progress at once (coroutines: fetches waiting on owners included).
 AGENT_MAX_CONCURRENCY = 4096
-#: The agent's Ray entry points that are a short change of its state: they run on its event
-#: loop, and again on a thread only if they reach a step that may block (see
-#: :mod:`ray_velo.nonblocking`). Each saves a thread hop each way on the transfer's path. The
-#: others run on its threads: they may wait on peers, map or copy. Declared in ray_velo.entry
-#: (the coroutines there are the actor's own methods below).
-_QUICK_METHODS = QUICK
-_BLOCKING_METHODS = BLOCKING
 
 
 def agent_name(node_id: str) -> str:
@@ -76,10 +69,12 @@ def agent_name(node_id: str) -> str:
 class _RendezvousActor:
     """The agent as an asyncio Ray actor.
 
-    The quick entry points (:data:`_QUICK_METHODS`) run the plain agent's method on the
-    event loop, the others on one of :data:`AGENT_THREADS` threads; ``fetch_remote`` is a
-    coroutine whose waits on the owner hold no thread, so fetches hanging on a stalled owner
-    never starve the others (nor the owner handlers this agent serves). It records its
+    The quick entry points (:data:`ray_velo.entry.QUICK`, a short change of state) run the
+    plain agent's method on the event loop, and again on a thread only if they reach a step
+    that may block (:mod:`ray_velo.nonblocking`): a thread hop saved each way on the
+    transfer's path. The others run on one of :data:`AGENT_THREADS` threads; ``fetch_remote``
+    is a coroutine whose waits on the owner hold no thread, so fetches hanging on a stalled
+    owner never starve the others (nor the owner handlers this agent serves). It records its
     worker id for routing.
     """
 
@@ -146,7 +141,7 @@ class _RendezvousActor:
     async def _channel_call(self, method: str, args: tuple[Any, ...]) -> Any:
         if method == "fetch_remote":
             return await self.fetch_remote(*args)
-        if method in _QUICK_METHODS:
+        if method in QUICK:
             return await self.quick(self.agent.entry(method), *args)
         return await self.blocking(self.agent.entry(method), *args)
 
@@ -251,9 +246,9 @@ def _delegate(name: str, quick: bool) -> Any:
     return call
 
 
-for _name in _BLOCKING_METHODS:
+for _name in BLOCKING:
     setattr(_RendezvousActor, _name, _delegate(_name, quick=False))
-for _name in _QUICK_METHODS:
+for _name in QUICK:
     setattr(_RendezvousActor, _name, _delegate(_name, quick=True))
 
 RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(  # type: ignore[call-overload]
