@@ -171,13 +171,10 @@ class RdmaPoolConfig:
     registered_bytes_budget: int | None = None
     arena_reclaim_after: float | None = None
     retain_arena_bytes: int = 64 * MiB
-    #: Emptied dedicated arenas kept mapped for reuse (bytes); 0 unmaps them at once, as
-    #: the protocol does. Not in the protocol (docs/protocol.md §20): measured here, a fresh
-    #: 256 MiB arena (reserve, map, first-touch faults) cost more than the copy it serves
-    #: (docs/tuning.md).
-    #: None (the default): the node's budget, so a payload the budget takes whole finds its
-    #: arena warm next time (at 1 GiB, every 1.5 GiB transfer mapped and faulted two fresh
-    #: arenas: 0.26 GB/s, against 1.12 GB/s warm, two hosts unshaped).
+    #: Emptied dedicated arenas kept mapped for reuse (bytes); 0 unmaps them at once, as the
+    #: protocol does (docs/protocol.md §20). None (the default): the node's budget, so a
+    #: payload the budget takes whole finds its arena warm next time: a fresh arena (map,
+    #: first-touch faults) costs more than the copy it serves (docs/tuning.md measures it).
     warm_dedicated_bytes: int | None = None
     #: Transparent staging (``@ray_velo.transfer``) never maps or registers an arena inside
     #: a caller's send (docs/protocol.md §12); after it misses registered memory, the agent's
