@@ -154,6 +154,30 @@ class AgentCore:
                     self.consumer_state.fetch_give_back(fid, fx)
             raise
 
+    def wait_written(
+        self, handle: DataHandle, upto: int | None = None, timeout_s: float = COMMIT_WAIT_S
+    ) -> None:
+        """Wait until bytes ``[0, upto)`` (None: all) of our ``handle`` are written: a slot
+        committed before its producer wrote them (streamed staging) is read no sooner.
+
+        Raises:
+            StagingError: they were not written within ``timeout_s``.
+        """
+        if handle.worker_id != self.worker_id:
+            return
+
+        def written() -> bool:
+            return self.state.written_through(handle.slot_id, upto)
+
+        with self.lock:
+            if written():
+                return
+        nonblocking.check(f"waiting for the bytes of {handle} to be written")
+        if not self.wait_until(written, time.monotonic() + timeout_s):
+            raise StagingError(
+                f"handle {handle}: its producer did not write its bytes within {timeout_s} s"
+            )
+
     def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
         """Wait (under the lock) until ``ready()`` or the monotonic ``deadline``; says which.
         Looks again at least every 0.1 s: a lease deadline passes without a change."""

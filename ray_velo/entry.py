@@ -66,6 +66,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("stage_reserve", "producers.reserve", "loop", socket="call"),
     Entry("stage_commit", "producers.commit", "loop", socket="ordered"),
     Entry("stage_abort", "producers.abort", "loop", socket="ordered"),
+    Entry("stage_written", "producers.written", "loop", socket="ordered"),
     # a reader on the node: a lease on a slot it reads in place, and its end
     Entry("local_acquire", "readers.acquire", "loop", socket="call"),
     Entry("end_lease", "readers.end_lease", "loop", socket="ordered"),

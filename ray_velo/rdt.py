@@ -246,7 +246,7 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
     def _stage(self, value: Any) -> DataHandle | None:
         if value.nbytes == 0:
             return None
-        return session.stage(value, pinned=True, ttl=None, follow_producer=True)
+        return session.stage_streamed(value, ttl=None, follow_producer=True)
 
     def _receive(
         self,
@@ -296,8 +296,8 @@ class VeloTensorTransport(VeloNumpyTransport):
         # copied to host memory once (no GPU arena yet), and the agent counts it as such.
         device = value.device.type
         flat = host_tensor(value).reshape(-1).view(_uint8())
-        return session.stage(
-            flat.numpy(), pinned=True, ttl=None, follow_producer=True, staged_from=device
+        return session.stage_streamed(
+            flat.numpy(), ttl=None, follow_producer=True, staged_from=device
         )
 
     def _placed(self, received: Any, staged_from: str | None, target: Any) -> Any:

@@ -6,7 +6,8 @@ Every call to the local agent goes through :func:`call`, which maps Ray's errors
 (:mod:`ray_velo.api`) and transparent staging (:mod:`ray_velo.staging`) share:
 
 * :func:`stage`: reserve on the agent, write the bytes into the shared segment, commit
-  (:func:`reserve` and :func:`commit` alone: a payload built in place, :mod:`ray_velo.writable`);
+  (:func:`reserve` and :func:`commit` alone: a payload built in place, :mod:`ray_velo.writable`;
+  :func:`stage_streamed`: commit first, write on a thread while readers GET what is written);
 * :func:`lease`: a local lease on a handle's bytes on this node (brought over if remote);
 * :func:`leased_array`: a read-only view whose lease ends when the view is collected;
 * :func:`claim_end` / :func:`release_soon`: end a claim or drop a reference, not waited for.
@@ -59,6 +60,7 @@ __all__ = [
     "reserve",
     "segment_view",
     "stage",
+    "stage_streamed",
     "staging_job",
     "staging_terms",
     "view_of",
@@ -259,6 +261,91 @@ def stage(
     return handle
 
 
+#: Payloads at least this large may be staged streamed (:func:`stage_streamed`).
+STREAMED_MIN_BYTES = 8 << 20
+#: The least a streamed payload's writer copies between two notices to the agent.
+_WRITTEN_STEP_MIN = 4 << 20
+#: A writer thread with nothing to write for this long ends (and its socket connection).
+_WRITER_IDLE_S = 10.0
+
+
+def stage_streamed(
+    obj: Any, *, ttl: float | None, follow_producer: bool, staged_from: str | None = None
+) -> DataHandle:
+    """:func:`stage` with one reference and registered memory, returning before the bytes
+    are written: the commit goes first, and a thread of this process copies ``obj`` into
+    the slot, telling the agent how far it got, while readers on other nodes GET the
+    windows already written (the agent answers each once its bytes are there; readers on
+    this node wait for all of them). The bytes read are ``obj``'s as the thread copies
+    them, within milliseconds of this call: a caller must not change ``obj`` meanwhile
+    (what Ray asks of a tensor-transport object's source tensor). The agent keeps the
+    slot's memory until the thread wrote it all or this process died, whatever ends the
+    handle meanwhile. Below :data:`STREAMED_MIN_BYTES`: :func:`stage`."""
+    header, view = as_bytes_view(obj)
+    if view.nbytes < STREAMED_MIN_BYTES:
+        return stage(obj, pinned=True, ttl=ttl, follow_producer=follow_producer,
+                     staged_from=staged_from)  # fmt: skip
+    if staged_from is not None:
+        header = dataclasses.replace(header, device=staged_from)
+    job = staging_terms(ttl, None)
+    session, reservation = reserve(view.nbytes, True)
+    assert reservation is not None  # a reservation that may map is never declined
+    commit(session, reservation, header, ttl, 1, follow_producer, job, writing=True)
+    dest = segment_view(session, reservation.path, reservation.offset, view.nbytes)
+    _writer.write(session, reservation.handle, dest, view)
+    return reservation.handle
+
+
+class _BackgroundWriter:
+    """The thread that writes streamed payloads (:func:`stage_streamed`) in order, started
+    when there is one to write and ended after :data:`_WRITER_IDLE_S` without one."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: list[tuple[Session, DataHandle, memoryview, memoryview]] = []
+        self._thread: threading.Thread | None = None
+
+    def write(self, session: Session, handle: DataHandle, dest: memoryview, source: Any) -> None:
+        with self._cond:
+            self._queue.append((session, handle, dest, source))
+            self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ray_velo-writer", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(_WRITER_IDLE_S)
+                if not self._queue:
+                    self._thread = None
+                    return
+                session, handle, dest, source = self._queue.pop(0)
+            _write_streamed(session, handle, dest, source)
+
+
+def _write_streamed(session: Session, handle: DataHandle, dest: memoryview, source: Any) -> None:
+    """Copy ``source`` into ``dest`` a step at a time, telling the agent after each step
+    (``stage_written``); a failure tells it the handle cannot be read (-1)."""
+    into = np.frombuffer(dest, dtype=np.uint8)
+    data = np.frombuffer(source, dtype=np.uint8)
+    step = max(_WRITTEN_STEP_MIN, data.nbytes // 32)
+    try:
+        for at in range(0, data.nbytes, step):
+            end = min(data.nbytes, at + step)
+            copy_into(into[at:end], data[at:end])
+            session.notify("stage_written", handle, end)
+    except BaseException:
+        session.notify("stage_written", handle, -1)
+        raise
+
+
+_writer = _BackgroundWriter()
+
+
 def stage_transparent(
     obj: Any, *, ttl: float | None, consumers: int, lifetime: str | None = None
 ) -> DataHandle | None:
@@ -350,13 +437,15 @@ def commit(
     consumers: int,
     follow_producer: bool,
     job: StagingJob,
+    writing: bool = False,
 ) -> None:
     """Turn a written reservation into a slot with ``consumers`` references; not waited for
-    (a call that names the handle before the commit lands waits for it on the agent)."""
+    (a call that names the handle before the commit lands waits for it on the agent).
+    ``writing``: the bytes are written after the commit (:func:`stage_streamed`)."""
     session.notify(
         "stage_commit",
         reservation.reservation_id, reservation.nbytes, header, ttl, consumers, follow_producer,
-        job.job, job.detached,
+        job.job, job.detached, writing,
     )  # fmt: skip
 
 

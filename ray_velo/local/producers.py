@@ -17,7 +17,8 @@ __all__ = ["ProducerService"]
 
 
 class ProducerService:
-    """``stage_reserve`` / ``stage_commit`` / ``stage_abort`` of one agent."""
+    """``stage_reserve`` / ``stage_commit`` / ``stage_written`` / ``stage_abort`` of one
+    agent."""
 
     def __init__(self, core: AgentCore) -> None:
         self.core = core
@@ -86,10 +87,12 @@ class ProducerService:
         follow_producer: bool = False,
         job: str = "",
         detached: bool = False,
+        writing: bool = False,
     ) -> DataHandle:
         """Turn a written reservation into a slot; returns its handle (with
         ``follow_producer`` it ends when the producing process dies; it ends with Ray job
-        ``job`` unless ``detached``).
+        ``job`` unless ``detached``). ``writing``: the producer writes the bytes after this
+        commit and says how far it got (``stage_written``); readers wait for them.
 
         Raises:
             StagingError: the reservation is unknown (aborted, its producer died) or the
@@ -104,6 +107,7 @@ class ProducerService:
                 handle = core.reservations.commit(
                     reservation_id, nbytes, type_header, ttl, refcount, core.clock(), fx,
                     follow_producer=follow_producer, job=job, detached=detached,
+                    writing=writing,
                 )  # fmt: skip
         finally:
             if pending is not None:
@@ -113,6 +117,15 @@ class ProducerService:
             # memory, and the consumer copies it back to its device.
             core.metrics.device_staged(DEVICE_STAGING_REASONS[0])
         return DataHandle(handle.worker_id, handle.slot_id, core.node_id)
+
+    def written(self, handle: DataHandle, upto: int) -> None:
+        """The producer of ``handle`` (committed ``writing``) wrote its bytes ``[0, upto)``;
+        ``upto`` < 0: it failed to, and the handle ends. Its notices may overtake the commit
+        (another connection of the producer's): waits for the commit first."""
+        core = self.core
+        core.commits.wait(handle)
+        with core.changing() as fx:
+            core.state.written(handle.slot_id, upto, core.clock(), fx)
 
     def abort(self, reservation_id: int, why: str = "its producer aborted staging it") -> None:
         """Give a reservation's memory back (a failed put, a closed PinnedWriter)."""

@@ -41,6 +41,7 @@ class ReaderService:
         """
         core = self.core
         core.commits.wait(handle)
+        core.wait_written(handle)
         with core.changing() as fx:
             if nonblocking.active() and self._in_region(handle):
                 nonblocking.check(f"copying {handle} out of its region")

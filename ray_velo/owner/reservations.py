@@ -83,12 +83,15 @@ class Reservations:
         follow_producer: bool = False,
         job: str = "",
         detached: bool = False,
+        writing: bool = False,
     ) -> DataHandle:
         """Turn reservation ``rid`` into a slot. Raises StagingError if it is gone; a
         failure to stage gives its buffer back (in ``fx``) before raising. With
         ``follow_producer`` the handle ends when the producing process dies (a Ray Direct
         Transport object, whose normal end is its source process's garbage collection).
-        ``job``: the Ray job that staged it; the handle ends with it unless ``detached``."""
+        ``job``: the Ray job that staged it; the handle ends with it unless ``detached``.
+        ``writing``: its producer commits before writing the bytes, and says how far it got
+        (:meth:`~ray_velo.owner.state.OwnerState.written`)."""
         pending = self._pending.pop(rid, None)
         if pending is None:
             raise StagingError(f"reservation {rid} is unknown or was reaped")
@@ -103,6 +106,8 @@ class Reservations:
         except Exception as exc:
             self.owner.forget_reserved(pending.slot_id, f"staging it failed: {exc}")
             raise
+        if writing and nbytes:
+            self.owner.begin_writing(slot.slot_id, pending.pid, nbytes)
         return DataHandle(self.owner.worker_id, slot.slot_id)
 
     def abort(self, rid: int, why: str, fx: Effects) -> int | None:

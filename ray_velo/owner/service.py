@@ -26,6 +26,7 @@ from ray_velo.owner.state import RegionSlot
 from ray_velo.protocol import (
     AcquireRequest,
     CopyNotice,
+    DataHandle,
     DetachRequest,
     LeaseRenewRequest,
     MetadataRequest,
@@ -48,6 +49,11 @@ __all__ = ["HANDLERS", "OwnerService"]
 
 #: The owner's handlers (declared in ray_velo.entry).
 HANDLERS = OWNER_HANDLERS
+#: The smallest window a slot still being written is read in.
+WRITTEN_WINDOW_MIN = 4 << 20
+#: The most a window's answer waits for its producer's bytes (a consumer's window call
+#: gives up after 10 s, ray_velo.consumer.windows).
+WRITTEN_WAIT_S = 10.0
 
 
 class OwnerService:
@@ -81,6 +87,9 @@ class OwnerService:
         request = decode(AcquireRequest, data)
         core = self.core
         core.commits.wait(request.handle)
+        if request.rdma is None or not request.rdma.windows:
+            # only a consumer that GETs window by window may start before all bytes are in
+            core.wait_written(request.handle)
         opened = self._open_windows(request)
         granted = False
         try:
@@ -167,7 +176,8 @@ class OwnerService:
         windows: WindowSet | None = None,
     ) -> bytes:
         """An RDMA lease (always with a deadline) and the answer carrying the descriptor, or
-        the window size of a plain slot (the lease owns its window set from here on)."""
+        the window size of a plain slot (the lease owns its window set from here on) or of a
+        slot whose producer is still writing it (each window is answered once written)."""
         rendezvous = self.core.config.rdma.rendezvous
         lease = self.core.state.grant(
             request.handle,
@@ -178,8 +188,12 @@ class OwnerService:
             consumer=consumer,
             windows=windows,
         )
+        window_bytes = 0
         if windows is not None:
             self.windowed_leases += 1
+            window_bytes = windows.window_bytes
+        elif self.core.state.being_written(slot.slot_id):
+            window_bytes = written_window_bytes(slot.total_len)
         unclaimed = _unclaimed(request, slot)
         relay, announce = None, False
         if request.copies and consumer is not None:
@@ -202,7 +216,7 @@ class OwnerService:
                 relay_node=relay.node if relay else "",
                 relay_worker=relay.worker if relay else 0,
                 unclaimed=unclaimed,
-                window_bytes=windows.window_bytes if windows is not None else 0,
+                window_bytes=window_bytes,
             )
         )
 
@@ -232,21 +246,23 @@ class OwnerService:
             )
         )
 
-    def _descriptor(self, slot: Slot) -> bytes | None:
-        """Check 8: the staging still exists (registered) and the descriptor encodes."""
+    def _descriptor(self, slot: Slot, start: int = 0, nbytes: int | None = None) -> bytes | None:
+        """Check 8: the staging still exists (registered) and the descriptor of its bytes
+        ``[start, start + nbytes)`` (None: to the end) encodes."""
         rdma = self.core.rdma
         if rdma is None:
             return None
+        length = slot.total_len - start if nbytes is None else nbytes
         location = slot.location
         if isinstance(location, RegionSlot):
             region = location.region
             if region.state.name != "REGISTERED":
                 return None
-            address = region.address + location.offset
-            return rdma.descriptor(region.registration, address, slot.total_len)
+            address = region.address + location.offset + start
+            return rdma.descriptor(region.registration, address, length)
         if location is None or location.registration is None:
             return None
-        return rdma.descriptor(location.registration, location.address, slot.total_len)
+        return rdma.descriptor(location.registration, location.address + start, length)
 
     def _rv_pull(self, data: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """One chunk.
@@ -264,6 +280,8 @@ class OwnerService:
             )
             location = plan.slot.location  # under the lock: shutdown may demote the slot
         if plan.view and location is not None and not isinstance(location, RegionSlot):
+            handle = DataHandle(core.worker_id, plan.slot.slot_id)
+            core.wait_written(handle, plan.start + plan.length)
             view = location.view()
             return np.frombuffer(view, dtype=np.uint8, count=plan.length, offset=plan.start)
         try:
@@ -321,19 +339,51 @@ class OwnerService:
         core = self.core
         with core.lock:
             windows = core.state.renew(request.handle, request.lease_id, core.clock())
+            slot = core.state.slot(request.handle)
         if not isinstance(windows, WindowSet):
-            raise ProtocolError(f"lease {request.lease_id} of {request.handle} has no windows")
+            return self._written_window(request, slot)
         if not -1 <= request.index < windows.count:
             raise ProtocolError(f"window {request.index} of {windows.count}")
         windows.done_through(request.done)
         if request.index < 0:  # only done with them (a held lease keeps none registered)
             return encode(WindowAnswer())
         registration, address, nbytes = windows.window(request.index)
+        core.wait_written(request.handle, address - windows.address + nbytes, WRITTEN_WAIT_S)
         self.windows_registered += 1
         descriptor = core.rdma.descriptor(registration, address, nbytes) if core.rdma else None
         if not descriptor:
             raise ProtocolError(f"window {request.index} of {request.handle} did not encode")
         return encode(WindowAnswer(descriptor))
+
+    def _written_window(self, request: WindowRequest, slot: Slot) -> bytes:
+        """Window ``index`` of a registered slot (the whole lease's bytes, a window at a
+        time), answered once its producer has written it (streamed staging).
+
+        Raises:
+            ProtocolError: the index is out of range, or the slot is not registered.
+            StagingError: its bytes were not written within :data:`WRITTEN_WAIT_S`.
+        """
+        size = written_window_bytes(slot.total_len)
+        count = -(-slot.total_len // size)
+        if not -1 <= request.index < count:
+            raise ProtocolError(f"window {request.index} of {count}")
+        if request.index < 0:
+            return encode(WindowAnswer())
+        start = request.index * size
+        nbytes = min(size, slot.total_len - start)
+        self.core.wait_written(request.handle, start + nbytes, WRITTEN_WAIT_S)
+        descriptor = self._descriptor(slot, start, nbytes)
+        if not descriptor:
+            raise ProtocolError(f"lease {request.lease_id} of {request.handle} has no windows")
+        return encode(WindowAnswer(descriptor))
+
+
+def written_window_bytes(total_len: int) -> int:
+    """The windows a slot still being written is read in: about a sixteenth of it (the
+    first is GOT while the producer writes the rest), at least :data:`WRITTEN_WINDOW_MIN`
+    and whole MiB."""
+    mib = 1 << 20
+    return max(WRITTEN_WINDOW_MIN, -(-total_len // 16 // mib) * mib)
 
 
 def _window_buffer(slot: Slot) -> Buffer | None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PRODUCER_DIED",
+    "PRODUCER_FAILED",
     "PULL_GRACE_S",
     "Buffer",
     "Effects",
@@ -53,6 +54,7 @@ __all__ = [
 #: (Ray serializes a returned view after the method returns: milliseconds for 16 MiB).
 PULL_GRACE_S = 1.0
 PRODUCER_DIED = "the process that staged it died"
+PRODUCER_FAILED = "the process that staged it failed to write its bytes"
 #: The ledger's holder kinds this state keeps (the quarantine is the ledger's own).
 HOLDS = ("slot", "parked", "grace", "demoted")
 
@@ -149,6 +151,10 @@ class OwnerState:
         self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
         #: The copies of our handles on other nodes (see ray_velo.owner.relays).
         self._sources = CopySources()
+        #: Slots committed before their producer wrote all their bytes (streamed staging):
+        #: slot id -> [bytes written, total, producer pid]. Each counts as a read in
+        #: progress, so its buffer cannot go back while the producer may still write it.
+        self._writing: dict[int, list[int]] = {}
 
     # --- staging ---------------------------------------------------------------------
 
@@ -212,6 +218,48 @@ class OwnerState:
                 # A long-lived producer: forget its handles that already ended (amortised).
                 followed.intersection_update({h for h in followed if self._store.is_live(h)})
         return slot
+
+    # --- streamed staging -------------------------------------------------------------
+
+    def begin_writing(self, slot_id: int, pid: int, total_len: int) -> None:
+        """Slot ``slot_id`` was committed before process ``pid`` wrote its bytes: readers
+        wait for them (:meth:`written_through`), and its buffer stays until :meth:`written`
+        says all of them are there, or ``pid`` dies."""
+        self._writing[slot_id] = [0, total_len, pid]
+        self._reading[slot_id] += 1
+
+    def written(self, slot_id: int, upto: int, now: float, fx: Effects) -> None:
+        """The producer wrote bytes ``[0, upto)`` of slot ``slot_id``; ``upto`` < 0: it
+        failed to, and the handle ends (its readers hear why)."""
+        writing = self._writing.get(slot_id)
+        if writing is None:
+            return
+        if upto < 0:
+            self._stop_writing(slot_id, PRODUCER_FAILED, now, fx)
+            return
+        writing[0] = max(writing[0], upto)
+        if writing[0] >= writing[1]:
+            del self._writing[slot_id]
+            self.end_read(slot_id, now, fx)
+
+    def _stop_writing(self, slot_id: int, why: str, now: float, fx: Effects) -> None:
+        """The producer will write no more of slot ``slot_id``: its handle ends (``why``),
+        and its bytes go once no reader holds them."""
+        del self._writing[slot_id]
+        handle = DataHandle(self.worker_id, slot_id)
+        if self._store.is_live(handle):
+            self._bytes_end(self._store.end(handle, why), now, fx)
+        self.end_read(slot_id, now, fx)
+
+    def written_through(self, slot_id: int, upto: int | None = None) -> bool:
+        """Whether bytes ``[0, upto)`` (None: all) of slot ``slot_id`` may be read: written,
+        or the slot is no longer being written (whoever reads it next learns if it ended)."""
+        writing = self._writing.get(slot_id)
+        return writing is None or (upto is not None and writing[0] >= upto)
+
+    def being_written(self, slot_id: int) -> bool:
+        """Whether slot ``slot_id``'s producer is still writing its bytes."""
+        return slot_id in self._writing
 
     # --- lookups ---------------------------------------------------------------------
 
@@ -427,12 +475,15 @@ class OwnerState:
 
     def watched_pids(self) -> set[int]:
         """Processes whose death the owner must notice: local readers, followed producers."""
-        return (self._store.holder_pids() | set(self._followed)) - {0}
+        writers = {pid for _, _, pid in self._writing.values()}
+        return (self._store.holder_pids() | set(self._followed) | writers) - {0}
 
     def reap(self, dead: Iterable[int], now: float, fx: Effects) -> None:
         """Processes ``dead`` died: their local leases end (the watcher hears each slot they
         read), and the handles that followed them end."""
         dead = set(dead)
+        for slot_id in [s for s, (_, _, pid) in self._writing.items() if pid in dead]:
+            self._stop_writing(slot_id, PRODUCER_DIED, now, fx)
         read = self._store.read_by(dead)
         for freed in self._store.reap_holders(dead):
             self._bytes_end(freed, now, fx)
@@ -510,6 +561,7 @@ class OwnerState:
         Returns the slots freed."""
         freed = self._store.clear()
         self._reading.clear()
+        self._writing.clear()
         self._pulled_at.clear()
         for item in freed:
             self._bytes_end(item, now, fx)
@@ -588,6 +640,9 @@ class OwnerState:
         for slot_id, count in self._reading.items():
             if count <= 0:
                 raise AssertionError(f"slot {slot_id} has {count} reads in progress")
+        for slot_id, (done, total, _) in self._writing.items():
+            if not 0 <= done < total or self._reading[slot_id] <= 0:
+                raise AssertionError(f"slot {slot_id} being written: {done} of {total} bytes")
 
 
 def _move_out(ledger: BufferLedger, freed: FreedSlot, holder: str, fx: Effects) -> None:

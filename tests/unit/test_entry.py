@@ -44,6 +44,7 @@ def test_the_carriers_tables_are_the_declarations() -> None:
     assert HANDLERS == OWNER_HANDLERS
     assert {"stage_reserve", "local_acquire", "fetch_remote", "route"} == channel.CHANNEL_METHODS
     assert {
-        "stage_commit", "stage_abort", "end_lease", "claim_end", "release_quietly"
+        "stage_commit", "stage_abort", "stage_written", "end_lease", "claim_end",
+        "release_quietly",
     } == channel.NOTICE_METHODS  # fmt: skip
     assert "_rv_pull" not in WIRE_METHODS, "chunks travel in Ray calls"
