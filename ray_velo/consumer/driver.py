@@ -50,7 +50,7 @@ from ray_velo.consumer.fetch import (
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import copy_gone_notice, read_relay
-from ray_velo.consumer.windows import WindowFeed
+from ray_velo.consumer.windows import WindowFeed, written_range
 from ray_velo.core import AgentCore
 from ray_velo.errors import (
     AgentShuttingDown,
@@ -377,7 +377,9 @@ class _Run:
             start = 0
             if answer.relay_node:
                 start = self._read_copy(answer, until, get_range)
-            if answer.window_bytes:
+            if answer.window_bytes and answer.descriptor:
+                self._get_written(answer, start, until, pieces)
+            elif answer.window_bytes:
                 self._get_windows(answer, start, until, pieces)
             else:
                 get_range(
@@ -436,6 +438,22 @@ class _Run:
         if self.machine.mode == "hold":  # the lease stays: its windows need not
             done = WindowRequest(self.handle, answer.lease_id, -1, count - 1)
             self.link.send("_rv_window", encode(done))
+
+    def _get_written(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
+        """GET bytes ``[start, total_len)`` of a slot its producer is still writing, all
+        that is written at each step (:func:`written_range`)."""
+        size, total = answer.window_bytes, answer.total_len
+        at = start
+        while at < total:
+            index = at // size
+            descriptor, upto = written_range(
+                self.link, self.handle, answer.lease_id, self.core.ucx(), size, total, index,
+                self._left(until),
+            )  # fmt: skip
+            self._get_range(
+                self.link.node, descriptor, at, upto, self._left(until), pieces, base=index * size
+            )
+            at = upto
 
     def _get_range(
         self,

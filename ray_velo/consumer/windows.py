@@ -8,6 +8,11 @@ The GET loop asks for window ``i + 1`` (saying window ``i - 1`` is done) before 
 ``i``: the owner registers the next window while the current one moves, and never holds more
 than two. The thread ends with the GET (:meth:`WindowFeed.close`); each call is bounded, so
 it cannot outlive the GET by more than one call's bound.
+
+A slot its producer is still writing (streamed staging) is read the same way, but the owner
+answers each ``_rv_window`` once that window is written, with the bytes from it to as far as
+they are written (:func:`written_range`): one GET takes all that is there, so a payload whose
+copy outruns the link moves in a few GETs.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.links import OwnerLink
 from ray_velo.errors import DescriptorError, ProtocolError, UcxError, VeloError
 from ray_velo.protocol import DataHandle, WindowAnswer, WindowRequest, decode, encode
+from ray_velo.protocol.descriptor import RdmaDescriptor
 
-__all__ = ["WINDOW_CALL_S", "WindowFeed"]
+__all__ = ["WINDOW_CALL_S", "WindowFeed", "written_range"]
 
 #: The most one ``_rv_window`` call may take (the owner only registers a window).
 WINDOW_CALL_S = 10.0
@@ -121,6 +127,39 @@ class WindowFeed:
             return self._rdma.decode(blob, length)
         except (VeloError, DescriptorError, ProtocolError, OSError) as exc:
             return exc
+
+
+def written_range(
+    link: OwnerLink,
+    handle: DataHandle,
+    lease_id: int,
+    rdma: Any,
+    window_bytes: int,
+    total_len: int,
+    index: int,
+    left_s: float,
+) -> tuple[Any, int]:
+    """For a slot its producer is still writing (streamed staging): the checked descriptor
+    of its bytes from window ``index`` to as far as they are written (the owner answers
+    once that window is), and the payload offset where they end.
+
+    Raises:
+        UcxError: no such answer in time, or a malformed one: the GET fails, and the fetch
+            falls back to chunks, where the owner says what became of the handle.
+    """
+    start = index * window_bytes
+    request = WindowRequest(handle, lease_id, index, -1)
+    try:
+        data = link.call(
+            "_rv_window", encode(request), Deadline.start(min(left_s, WINDOW_CALL_S)), handle
+        )
+        blob = decode(WindowAnswer, data).descriptor
+        length = RdmaDescriptor.decode(blob).length
+        if not min(window_bytes, total_len - start) <= length <= total_len - start:
+            raise ProtocolError(f"{length} bytes from window {index} of {total_len}")
+        return rdma.decode(blob, length), start + length
+    except (VeloError, DescriptorError, ProtocolError, OSError) as exc:
+        raise _failed(f"window {index}: {exc}") from exc
 
 
 def _failed(why: str) -> UcxError:

@@ -193,6 +193,7 @@ class OwnerService:
             self.windowed_leases += 1
             window_bytes = windows.window_bytes
         elif self.core.state.being_written(slot.slot_id):
+            # with the descriptor: the consumer asks how far the bytes are written
             window_bytes = written_window_bytes(slot.total_len)
         unclaimed = _unclaimed(request, slot)
         relay, announce = None, False
@@ -356,12 +357,14 @@ class OwnerService:
         return encode(WindowAnswer(descriptor))
 
     def _written_window(self, request: WindowRequest, slot: Slot) -> bytes:
-        """Window ``index`` of a registered slot (the whole lease's bytes, a window at a
-        time), answered once its producer has written it (streamed staging).
+        """The descriptor of a registered slot's bytes from window ``index`` to as far as
+        its producer has written them (at least that window), for a lease whose answer
+        said the slot is still being written (streamed staging): one GET takes all that is
+        there.
 
         Raises:
             ProtocolError: the index is out of range, or the slot is not registered.
-            StagingError: its bytes were not written within :data:`WRITTEN_WAIT_S`.
+            StagingError: the window was not written within :data:`WRITTEN_WAIT_S`.
         """
         size = written_window_bytes(slot.total_len)
         count = -(-slot.total_len // size)
@@ -369,10 +372,11 @@ class OwnerService:
             raise ProtocolError(f"window {request.index} of {count}")
         if request.index < 0:
             return encode(WindowAnswer())
-        start = request.index * size
-        nbytes = min(size, slot.total_len - start)
-        self.core.wait_written(request.handle, start + nbytes, WRITTEN_WAIT_S)
-        descriptor = self._descriptor(slot, start, nbytes)
+        core, start = self.core, request.index * size
+        core.wait_written(request.handle, min(slot.total_len, start + size), WRITTEN_WAIT_S)
+        with core.lock:
+            upto = core.state.written_upto(slot.slot_id, slot.total_len)
+        descriptor = self._descriptor(slot, start, upto - start)
         if not descriptor:
             raise ProtocolError(f"lease {request.lease_id} of {request.handle} has no windows")
         return encode(WindowAnswer(descriptor))

@@ -55,6 +55,8 @@ __all__ = [
 PULL_GRACE_S = 1.0
 PRODUCER_DIED = "the process that staged it died"
 PRODUCER_FAILED = "the process that staged it failed to write its bytes"
+#: How many slots whose producer stopped writing early are remembered as such.
+TORN_REMEMBERED = 1024
 #: The ledger's holder kinds this state keeps (the quarantine is the ledger's own).
 HOLDS = ("slot", "parked", "grace", "demoted")
 
@@ -155,6 +157,10 @@ class OwnerState:
         #: slot id -> [bytes written, total, producer pid]. Each counts as a read in
         #: progress, so its buffer cannot go back while the producer may still write it.
         self._writing: dict[int, list[int]] = {}
+        #: Slots whose producer stopped writing before the end (it died or failed) -> why:
+        #: a reader that waited for their bytes must not take what is there. Bounded: the
+        #: slot itself says it ended to any later lookup.
+        self._torn: dict[int, str] = {}
 
     # --- staging ---------------------------------------------------------------------
 
@@ -246,6 +252,9 @@ class OwnerState:
         """The producer will write no more of slot ``slot_id``: its handle ends (``why``),
         and its bytes go once no reader holds them."""
         del self._writing[slot_id]
+        self._torn[slot_id] = why
+        if len(self._torn) > TORN_REMEMBERED:
+            del self._torn[next(iter(self._torn))]
         handle = DataHandle(self.worker_id, slot_id)
         if self._store.is_live(handle):
             self._bytes_end(self._store.end(handle, why), now, fx)
@@ -253,9 +262,26 @@ class OwnerState:
 
     def written_through(self, slot_id: int, upto: int | None = None) -> bool:
         """Whether bytes ``[0, upto)`` (None: all) of slot ``slot_id`` may be read: written,
-        or the slot is no longer being written (whoever reads it next learns if it ended)."""
+        or the slot is no longer being written.
+
+        Raises:
+            HandleNotFound: its producer stopped writing before the end.
+        """
+        if slot_id in self._torn:
+            handle = DataHandle(self.worker_id, slot_id)
+            raise HandleNotFound(handle=str(handle), node=self.node, reason=self._torn[slot_id])
         writing = self._writing.get(slot_id)
         return writing is None or (upto is not None and writing[0] >= upto)
+
+    def written_upto(self, slot_id: int, total_len: int) -> int:
+        """How many of slot ``slot_id``'s ``total_len`` bytes its producer has written.
+
+        Raises:
+            HandleNotFound: its producer stopped writing before the end.
+        """
+        self.written_through(slot_id, 0)
+        writing = self._writing.get(slot_id)
+        return total_len if writing is None else writing[0]
 
     def being_written(self, slot_id: int) -> bool:
         """Whether slot ``slot_id``'s producer is still writing its bytes."""
@@ -562,6 +588,7 @@ class OwnerState:
         freed = self._store.clear()
         self._reading.clear()
         self._writing.clear()
+        self._torn.clear()
         self._pulled_at.clear()
         for item in freed:
             self._bytes_end(item, now, fx)

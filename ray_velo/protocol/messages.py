@@ -185,6 +185,9 @@ class Rdma:
         window_bytes: not 0: the slot is in plain memory and ``descriptor`` is empty; the
             consumer GETs it window by window (bytes ``[i * window_bytes, ...)``), asking
             for each window's descriptor with ``_rv_window``. 0, as before the field existed.
+            Not 0 with a ``descriptor``: the slot's producer is still writing it (streamed
+            staging); ``_rv_window`` for window ``i`` answers, once that window is written,
+            the descriptor of the bytes from it to as far as they are written.
     """
 
     lease_id: int = 0

@@ -120,6 +120,20 @@ def test_a_reader_gets_each_window_once_written_and_never_sooner(
     assert pair.consumer_paths() == {"rdma/ok": 1}
 
 
+def test_one_get_takes_all_that_is_written(pair: AgentPair, pool: ThreadPoolExecutor) -> None:
+    """A copy that outruns the link: each GET takes every byte written by the time the
+    consumer asks, so 64 MiB moves in a few GETs, not sixteen."""
+    data = payload(64 * MiB)
+    producer = Producer(pair, data)
+    seen = gets_checked(pair, producer)
+    producer.write(40 * MiB)
+    fetched = pool.submit(pair.fetch, producer.handle, "detach")
+    wait_for(lambda: len(seen) == 1)
+    producer.write(64 * MiB)
+    assert fetched.result(BOUND_S) == data
+    assert seen == [(0, 40 * MiB), (40 * MiB, 64 * MiB)]
+
+
 def test_a_handle_ended_mid_write_keeps_its_memory_until_the_writer_stops(
     pair: AgentPair,
 ) -> None:
