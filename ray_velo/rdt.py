@@ -14,7 +14,11 @@ Lifetimes, in one place:
   returned: each tensor is staged on that node's agent (one copy into shared memory) under a
   handle with one reference, which *follows its producer*: it ends when Ray garbage-collects
   the ObjectRef (``garbage_collect``, which drops that reference) or when the source process
-  dies, whichever comes first.
+  dies, whichever comes first. From 8 MiB the copy is streamed (``session.stage_streamed``):
+  the handle is returned at once and a thread copies the tensor while receivers GET what is
+  copied, so the bytes are the tensor's as that thread reads them, milliseconds after the
+  return (Ray's rule: a source tensor changed in place before ``wait_tensor_freed`` may be
+  seen by receivers; docs/transports.md).
 - ``recv_multiple_tensors`` runs in each receiver (an actor, or the driver for ``ray.get``):
   it fetches without consuming (``release=False``), through the same paths as ``rv.fetch``
   (a view on the owner's node, a UCX GET or chunked pulls elsewhere, fallback once). numpy

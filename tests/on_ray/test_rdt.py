@@ -123,6 +123,26 @@ def test_torch_tensors_actor_to_actor_across_nodes(velo: None) -> None:
     assert wait_for_slots("node_a", 0) == 0
 
 
+def test_a_streamed_tensor_arrives_whole_on_another_node_and_in_the_driver(velo: None) -> None:
+    """48 MiB (above the 8 MiB streaming threshold): the source's thread copies it while the
+    receiver on node b GETs what is copied; the receiver gets every byte, as does a reader
+    on the source's node (the driver on node a waits for the whole copy), and a second
+    receiver of the same ObjectRef."""
+    source, sink, other = Source.remote(), Sink.remote(), Sink.remote()
+    n = 48 * MiB // 4
+    expected = [crc(t) for t in expected_tensors(n, seed=5)]
+    before = path_counts("node_b")
+    ref = source.tensors.remote(n, seed=5)
+    assert ray.get([sink.crcs.remote(ref), other.crcs.remote(ref)], timeout=120) == [expected] * 2
+    assert moved(before, path_counts("node_b")).get("rdma/ok", 0) >= 1
+    assert [crc(t) for t in ray.get(ref, timeout=120)] == expected
+    arrays = source.array.remote(24 * MiB, seed=6)
+    want = np.random.default_rng(6).integers(0, 255, 24 * MiB, dtype=np.uint8)
+    assert ray.get(sink.describe.remote(arrays), timeout=120)["crc"] == crc(want)
+    del ref, arrays
+    assert wait_for_slots("node_a", 0) == 0
+
+
 def test_numpy_arrays_actor_to_actor_across_nodes(velo: None) -> None:
     """VELO_NUMPY: the receiver gets a read-only array (as Ray's own ray.get gives) with the
     producer's bytes."""
@@ -234,11 +254,13 @@ def test_a_receiver_without_enable_tensor_transport_is_refused_at_once(velo: Non
     assert time.monotonic() - started < 30
 
 
-def test_the_producer_killed_mid_transfer(velo: None) -> None:
-    """The source actor dies before a consumer reads its object: its staged tensors end with
-    it (the agent notices the death), the consumer gets a clear error, nothing leaks."""
+@pytest.mark.parametrize("nbytes", [4 * MiB, 32 * MiB], ids=["whole", "streamed"])
+def test_the_producer_killed_mid_transfer(velo: None, nbytes: int) -> None:
+    """The source actor dies before a consumer reads its object (a streamed one perhaps
+    while its thread still copies it): its staged tensors end with it (the agent notices
+    the death), the consumer gets a clear error, nothing leaks."""
     source, sink = Source.remote(), Sink.remote()
-    ref = source.tensor.remote(4 * MiB // 4)
+    ref = source.tensor.remote(nbytes // 4)
     ray.wait([ref], timeout=60)
     pid = ray.get(source.ping.remote(), timeout=60)
     assert wait_for_slots("node_a", 1) == 1
