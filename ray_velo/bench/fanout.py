@@ -6,7 +6,8 @@ ObjectRef goes to the K readers (Ray pulls the object into each reader node once
 the producer is ``@rv.transfer(consumers=K)``, the readers decorated; overlapping fetches on
 one node share one transfer and the others read its copy (single flight), and a reader host
 may take the bytes from another reader host's copy instead of host a's (a relay). Also timed:
-ray_velo with one reader on host b, the time K readers should come close to.
+ray_velo with one reader on host b, the time K readers should come close to. The three run
+interleaved round by round, so each ray_velo round has a Ray round beside it.
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ def measure_fan_out(
 ) -> dict[str, float]:
     """Median seconds of one round (the producer's call to the last reader's answer) for
     ``ray`` and ``velo`` with ``k`` readers, and ``velo_one`` with one reader on
-    ``on_readers[0]`` (host b); for the ray_velo columns also ``<column>_transfers``,
-    ``_relayed`` and ``_copies`` per round (see :func:`_per_round`).
+    ``on_readers[0]`` (host b), the three interleaved round by round after their warm-up
+    rounds; for the ray_velo columns also ``<column>_transfers``, ``_relayed``, ``_copies``
+    and ``_inline`` per round (see :func:`_per_round`), and ``velo_slowest_round_speed``:
+    the lowest of Ray's time over ray_velo's in the same round.
 
     ``on_readers`` holds the resources that place a task on each reader host (b, c, ...);
     the ``k`` readers go round-robin over them (:func:`reader_hosts`).
@@ -145,29 +148,40 @@ def measure_fan_out(
         "velo": (rv.transfer(a(producer_cls), consumers=k), readers_on(on, velo=True)),
         "velo_one": (rv.transfer(a(producer_cls)), readers_on(on[:1], velo=True)),
     }
-    out: dict[str, float] = {}
+    live: dict[str, tuple[Any, list[Any]]] = {}
     for column, (producer_of, reader_ofs) in setups.items():
-        tick(f"fan-out {k}: {column}")
-        producer = producer_of.remote(size)
-        readers = [reader_of.remote() for reader_of in reader_ofs]
-        ray.get([producer.ready.remote(), *(r.ready.remote() for r in readers)])
-        times = []
-        # Uncounted warm-up rounds: transparent staging never maps in a send, so the first
-        # rounds of a new size ride inside Ray's call while the agents warm arenas up.
-        for rep in range(reps + _WARM_UP_ROUNDS):
-            if rep == _WARM_UP_ROUNDS:
-                before = _counters(agents)
+        live[column] = (producer_of.remote(size), [reader_of.remote() for reader_of in reader_ofs])
+    ray.get([p.ready.remote() for p, _ in live.values()])
+    ray.get([r.ready.remote() for _, readers in live.values() for r in readers])
+    times: dict[str, list[float]] = {column: [] for column in live}
+    moved: dict[str, Counter[str]] = {column: Counter() for column in live}
+    tick(f"fan-out {k}: {', '.join(live)} interleaved round by round")
+    # Uncounted warm-up rounds: transparent staging never maps in a send, so the first
+    # rounds of a new size ride inside Ray's call while the agents warm arenas up.
+    for rep in range(reps + _WARM_UP_ROUNDS):
+        counted = rep >= _WARM_UP_ROUNDS
+        for column, (producer, readers) in live.items():
+            agents_count = counted and column != "ray"  # undecorated: the agents take no part
+            before = _counters(agents) if agents_count else Counter()
             started = time.perf_counter()
             ref = producer.batch.remote()
             ray.get([r.read.remote(ref) for r in readers])
-            if rep >= _WARM_UP_ROUNDS:
-                times.append(time.perf_counter() - started)
+            if counted:
+                times[column].append(time.perf_counter() - started)
             del ref
-        tick(f"  {column} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in times) + " ms")
-        out[column] = statistics.median(times)
-        if column != "ray":  # undecorated readers: the agents take no part
-            counts = _per_round(before, _counters(agents), reps)
+            if agents_count:
+                moved[column] += _counters(agents) - before
+    out: dict[str, float] = {}
+    for column, seconds in times.items():
+        tick(f"  {column} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+        out[column] = statistics.median(seconds)
+        if column != "ray":
+            counts = _per_round(Counter(), moved[column], reps)
             out.update({f"{column}_{name}": value for name, value in counts.items()})
+    speeds = [r / v for r, v in zip(times["ray"], times["velo"], strict=True)]
+    tick("  velo/Ray speed round by round: " + " ".join(f"{x:.2f}x" for x in speeds))
+    out["velo_slowest_round_speed"] = min(speeds)
+    for producer, readers in live.values():
         for actor in (producer, *readers):
             ray.kill(getattr(actor, "ray_handle", actor))
     return out
@@ -201,7 +215,8 @@ def format_fan_out(
             f"{row.get('velo_transfers', 0):.1f} times for {k} readers "
             f"({row.get('velo_relayed', 0):.1f} relayed from another reader host's copy, "
             f"not host a's; {row.get('velo_copies', 0):.1f} read a node-local copy; "
-            f"{row.get('velo_inline', 0):.1f} rounds rode inside Ray's call)"
+            f"{row.get('velo_inline', 0):.1f} rounds rode inside Ray's call); the slowest "
+            f"round's velo/Ray speed {row.get('velo_slowest_round_speed', 0):.2f}x"
         )
     lines.append(
         "velo/Ray speed = Ray's time over ray_velo's (above 1.00x: ray_velo is faster); "
