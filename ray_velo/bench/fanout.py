@@ -153,9 +153,33 @@ def measure_fan_out(
         live[column] = (producer_of.remote(size), [reader_of.remote() for reader_of in reader_ofs])
     ray.get([p.ready.remote() for p, _ in live.values()])
     ray.get([r.ready.remote() for _, readers in live.values() for r in readers])
+    tick(f"fan-out {k}: {', '.join(live)} interleaved round by round")
+    times, moved = _interleaved_rounds(live, agents, reps)
+    out: dict[str, float] = {}
+    for column, seconds in times.items():
+        tick(f"  {column} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
+        out[column] = statistics.median(seconds)
+        if column != "ray":
+            counts = _per_round(Counter(), moved[column], reps)
+            out.update({f"{column}_{name}": value for name, value in counts.items()})
+    speeds = [r / v for r, v in zip(times["ray"], times["velo"], strict=True)]
+    tick("  velo/Ray speed round by round: " + " ".join(f"{x:.2f}x" for x in speeds))
+    out["velo_slowest_round_speed"] = min(speeds)
+    for producer, readers in live.values():
+        for actor in (producer, *readers):
+            ray.kill(getattr(actor, "ray_handle", actor))
+    return out
+
+
+def _interleaved_rounds(
+    live: Mapping[str, tuple[Any, list[Any]]], agents: Sequence[Mapping[str, float]], reps: int
+) -> tuple[dict[str, list[float]], dict[str, Counter[str]]]:
+    """Each column's round in turn, ``reps`` counted rounds after the warm-up ones: the
+    seconds of each counted round, and what the agents counted during a column's rounds."""
+    import ray
+
     times: dict[str, list[float]] = {column: [] for column in live}
     moved: dict[str, Counter[str]] = {column: Counter() for column in live}
-    tick(f"fan-out {k}: {', '.join(live)} interleaved round by round")
     # Uncounted warm-up rounds: transparent staging never maps in a send, so the first
     # rounds of a new size ride inside Ray's call while the agents warm arenas up.
     for rep in range(reps + _WARM_UP_ROUNDS):
@@ -171,20 +195,7 @@ def measure_fan_out(
             del ref
             if agents_count:
                 moved[column] += _counters(agents) - before
-    out: dict[str, float] = {}
-    for column, seconds in times.items():
-        tick(f"  {column} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
-        out[column] = statistics.median(seconds)
-        if column != "ray":
-            counts = _per_round(Counter(), moved[column], reps)
-            out.update({f"{column}_{name}": value for name, value in counts.items()})
-    speeds = [r / v for r, v in zip(times["ray"], times["velo"], strict=True)]
-    tick("  velo/Ray speed round by round: " + " ".join(f"{x:.2f}x" for x in speeds))
-    out["velo_slowest_round_speed"] = min(speeds)
-    for producer, readers in live.values():
-        for actor in (producer, *readers):
-            ray.kill(getattr(actor, "ray_handle", actor))
-    return out
+    return times, moved
 
 
 def format_fan_out(
