@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -65,6 +66,8 @@ __all__ = [
     "staging_terms",
     "view_of",
 ]
+
+_log = logging.getLogger(__name__)
 
 #: Extra seconds a task waits on its local agent beyond the fetch bound, for the agent's own
 #: answer (TransferTimeout) to arrive rather than a bare Ray timeout.
@@ -324,7 +327,10 @@ class _BackgroundWriter:
                     self._thread = None
                     return
                 session, handle, dest, source = self._queue.pop(0)
-            _write_streamed(session, handle, dest, source)
+            try:
+                _write_streamed(session, handle, dest, source)
+            except Exception:  # the agent heard (-1) and ends the handle; the next one goes on
+                _log.exception("ray_velo: writing %s into its slot failed", handle)
 
 
 def _write_streamed(session: Session, handle: DataHandle, dest: memoryview, source: Any) -> None:

@@ -224,3 +224,27 @@ def test_a_handle_staged_whole_is_read_as_before(pair: AgentPair) -> None:
     handle: DataHandle = pair.put(data)
     assert pair.fetch(handle) == data
     assert pair.consumer_rdma is not None and pair.consumer_rdma.gets == 1
+
+
+def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
+    """A streamed payload whose copy fails tells its agent (-1, the handle ends) and the
+    producer's writer thread writes the next payload all the same."""
+    from ray_velo import session
+
+    notices: list[tuple[DataHandle, int]] = []
+
+    class Agent:
+        def notify(self, method: str, handle: DataHandle, upto: int) -> None:
+            assert method == "stage_written"
+            notices.append((handle, upto))
+
+    first, second = DataHandle(1, 1), DataHandle(1, 2)
+    source = memoryview(payload(6 * MiB))
+    writer = session._BackgroundWriter()
+    broken = memoryview(bytearray(1 * MiB))  # too small: the copy raises
+    writer.write(Agent(), first, broken, source)  # type: ignore[arg-type]
+    target = bytearray(6 * MiB)
+    writer.write(Agent(), second, memoryview(target), source)  # type: ignore[arg-type]
+    wait_for(lambda: (second, 6 * MiB) in notices)
+    assert notices[0] == (first, -1)
+    assert bytes(target) == bytes(source)
