@@ -154,6 +154,7 @@ def forget() -> None:
     global _session
     with _lock:
         session, _session = _session, None
+    _writer.close()  # its payloads' notices go over the session's socket: before it closes
     if session is not None and session.channel is not None:
         session.channel.close()
 
@@ -301,27 +302,38 @@ def stage_streamed(
 
 class _BackgroundWriter:
     """The thread that writes streamed payloads (:func:`stage_streamed`) in order, started
-    when there is one to write and ended after :data:`_WRITER_IDLE_S` without one."""
+    when there is one to write and ended after :data:`_WRITER_IDLE_S` without one, or by
+    :meth:`close` (the session's end)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._queue: list[tuple[Session, DataHandle, memoryview, memoryview]] = []
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     def write(self, session: Session, handle: DataHandle, dest: memoryview, source: Any) -> None:
         with self._cond:
             self._queue.append((session, handle, dest, source))
             self._cond.notify()
             if self._thread is None:
+                self._closing = False
                 self._thread = threading.Thread(
                     target=self._run, name="ray_velo-writer", daemon=True
                 )
                 self._thread.start()
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued, then end the thread and join it (within ``timeout_s``)."""
+        with self._cond:
+            thread, self._closing = self._thread, True
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._queue:
+                if not self._queue and not self._closing:
                     self._cond.wait(_WRITER_IDLE_S)
                 if not self._queue:
                     self._thread = None

@@ -143,6 +143,8 @@ def test_bad_requests_are_refused_before_any_memory_is_reserved(velo: None) -> N
     """Bad shapes, dtypes, ttl and lifetime raise before a reservation is made."""
     with rv.empty(np.int64(3), np.uint8) as buf:  # a numpy integer is a shape too
         assert buf.array.shape == (3,)
+    # its abort is a notice to the agent: wait for it, then nothing below may reserve
+    wait_for("the aborted buffer's reservation back", lambda: reservations() == 0, 10.0)
     with pytest.raises(ValueError, match="negative"):
         rv.empty((4, -1), np.uint8)
     with pytest.raises(rv.UnsupportedPayload, match="Python objects"):

@@ -248,3 +248,5 @@ def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
     wait_for(lambda: (second, 6 * MiB) in notices)
     assert notices[0] == (first, -1)
     assert bytes(target) == bytes(source)
+    writer.close()  # what a session's end does: the thread is joined, not left to idle out
+    assert not any(t.name == "ray_velo-writer" for t in threading.enumerate())

@@ -10,18 +10,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from ray_velo.actors.ticker import Ticker
-
-
-def velo_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("ray_velo-") and t.is_alive()]
-
-
-@pytest.fixture(autouse=True)
-def no_thread_outlives_its_test() -> Iterator[None]:
-    """Every ticker a test starts is stopped and joined by the end of that test."""
-    assert not velo_threads(), "a ray_velo thread was already running"
-    yield
-    assert not velo_threads(), f"threads left behind: {velo_threads()}"
+from tests.unit.conftest import velo_threads
 
 
 class Recorder:
