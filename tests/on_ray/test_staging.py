@@ -182,9 +182,13 @@ def warm_on_node_a(nbytes: int) -> None:
     this size on node a (the driver's node) the explicit way, and free it (it stays warm)."""
     view = rv.fetch(rv.put(np.zeros(nbytes, dtype=np.uint8)))
     del view
-    deadline = time.monotonic() + 10
-    while agent_info("node_a")["live_slots"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the slot's end and its memory's return to the pool both follow a lease-end notice:
+    # a send before the memory is free would find no arena and ride inline
+    wait_for(
+        "the warm arena free on node a",
+        lambda: not agent_info("node_a")["live_slots"] and used_bytes("node_a") == 0,
+        10.0,
+    )
 
 
 def test_payload_over_the_receivers_limit(velo: None) -> None:
