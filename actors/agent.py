@@ -1,21 +1,5 @@
-"""The rendezvous agent: one per Ray node; the composition root of its roles.
-
-The agent builds one :class:`~ray_velo.core.AgentCore` (the pure owner state under one lock,
-the node's memory, metrics, the UCX backend) and the roles that share it:
-
-* :class:`~ray_velo.owner.service.OwnerService`: the seven ``_rv_*`` handlers;
-* :class:`~ray_velo.local.producers.ProducerService`: same-node producers (reserve, commit);
-* :class:`~ray_velo.local.readers.ReaderService`: same-node readers (leases in place);
-* :class:`~ray_velo.local.regions.RegionService`: caller-owned regions;
-* :class:`~ray_velo.consumer.service.ConsumerService`: fetches from other nodes, node-local
-  copies, claims and routing, through the :class:`~ray_velo.consumer.peers.PeerDirectory`.
-
-It owns the timer (one :class:`~ray_velo.actors.ticker.Ticker` for every deadline, liveness
-check and reclamation) and the shutdown order. The class is plain Python; :mod:`ray_velo.actors`
-wraps it with ``ray.remote`` as an asyncio actor (short calls on its event loop, the rest on
-its threads, so a long pull never blocks an acquire). Its entry points are declared once in
-:mod:`ray_velo.entry`, each served by a method of one of its roles (:meth:`RendezvousAgent.entry`).
-"""
+"""The rendezvous agent: one per Ray node, the composition root of its roles; it owns the timer
+and the shutdown order (docs/architecture.md §2, §4, §8)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""How an agent learns that a Ray job ended: a look at Ray's job table, once a second, only
-while some live handle on the agent follows a job.
-
-Staged data follows the Ray job that staged it (docs/architecture.md §5). Ray marks a job
-dead in its job table (the GCS) as soon as the job's driver is gone: it exited, it was
-killed (SIGKILL too: its raylet sees the connection drop), or Ray's job submission stopped
-it. The agent asks the GCS about the jobs it follows, and only those, every
-:data:`JOB_POLL_S` while it follows any: an idle agent (or one holding only detached data, or
-node-local copies) asks nothing. A job's handles therefore end within :data:`JOB_END_BOUND_S`
-of Ray marking the job dead; the owner state frees their bytes through the lifetime rules
-(leases, reads, GETs).
-
-Each look is one GCS call per followed job, filtered server-side by the job's id (the GCS
-scans its in-memory table and answers one small record), skipping the two costly parts of
-the call (asking each driver whether it runs tasks, reading submission records). Past
-:data:`FILTERED_LOOKUPS_MAX` followed jobs, one unfiltered call answers for all of them.
-"""
+"""How an agent learns that a Ray job ended: a look at Ray's job table, only while some live handle
+follows a job (docs/deployment.md, "Staged data follows its job")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""A timer thread that runs only while there is something to time.
-
-The agent has one of these for all the deadlines it owns (leases, TTLs, arena reclamation,
-local-reader liveness, idle endpoints). ``tick(now)`` does the work and returns when it next needs to run,
-or None; with nothing to time the thread blocks on a condition and burns no CPU. ``poke()``
-makes it ask again (a new deadline was set).
-"""
+"""A timer thread that runs only while there is something to time: ``tick(now)`` returns when it
+next needs to run, ``poke()`` makes it ask again."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """ray_velo: move large arrays, bytes and tensors between Ray tasks and actors by handle.
 
-A payload is staged once on its node's rendezvous agent and named by a small picklable
-:class:`DataHandle`; a consumer anywhere in the cluster fetches it with a one-sided UCX GET
-where the hardware allows and chunked Ray calls everywhere else. On the producer's own node a
-fetch is a zero-copy view of shared memory.
-
 Importing ``ray_velo`` is cheap: Ray itself is imported on first use of the API.
 """
 

@@ -1,17 +1,5 @@
-"""Everything ray_velo uses of Ray that is not Ray's public API, in one place.
-
-Ray ships a release about every month, and any of these may move in the next one. Each
-function below names what it reaches, the Ray versions it was checked on, and what it does on
-a Ray where that is gone: a fallback that keeps the behaviour safe, or a
-:class:`~ray_velo.errors.RayFeatureUnavailable` that names the feature and the Ray version it
-needs, never an ``AttributeError`` from deep inside a transfer. No other module of ray_velo
-imports ``ray._private``, ``ray._raylet``, ``internal_kv`` or Ray's RDT internals (a test
-greps the package for them).
-
-Checked on: Ray 2.40.0 (the lowest version ray_velo claims), 2.55.0 (the first with the
-tensor-transport API as used here) and 2.60.0 (the newest),
-each by the version smoke in ``.ci/run`` (tests/versions).
-"""
+"""Everything ray_velo uses of Ray that is not Ray's public API, in one place, each with the Ray
+versions it was checked on (docs/architecture.md §11)."""
 
 from __future__ import annotations
 

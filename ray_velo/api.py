@@ -1,18 +1,5 @@
-"""The public API (docs/architecture.md §2): init/shutdown, put/fetch, and the protocol's
-handle API (docs/protocol.md §3).
-
-Every process (driver, task, actor) talks to the agent of its own node through its
-:mod:`~ray_velo.session`. Staging writes the payload straight into the agent's shared segment;
-a fetch on the owner's node is a read-only, zero-copy view of that segment under a read lease
-that ends when the view is garbage-collected; a fetch from another node asks the local agent
-to bring a copy over (RDMA GET or chunked pulls) and then reads that copy in place.
-
-A handle ends before its bytes: once ``fetch`` consumed the last reference (or the TTL fired)
-every new fetch of the handle is refused with ``HandleNotFound``, while views already handed
-out keep reading their own bytes until they are gone.
-
-Units: sizes in bytes, durations in seconds.
-"""
+"""The public API: init/shutdown, put/fetch, and the protocol's handle API (docs/api.md,
+docs/protocol.md §3). Sizes in bytes, durations in seconds."""
 
 from __future__ import annotations
 

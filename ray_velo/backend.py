@@ -1,12 +1,5 @@
-"""The seam between an agent and its RDMA transport.
-
-:class:`RdmaBackend` is everything the agent's roles ask of UCX: register memory (through its
-``registrar``), describe a registered range to a peer, decode a peer's description, GET from a
-peer, and keep its endpoints. :class:`~ray_velo.ucx.backend.UcxRdmaBackend` implements it over
-libucp; :class:`~ray_velo.testing.FakeRdma` implements it with ``memmove`` for agents in one
-process, and :class:`~ray_velo.testing.FaultyRdma` wraps either with injected faults. Type
-checking holds all three to it (below; ``tests/unit/test_static.py`` runs mypy in the suite).
-"""
+"""The seam between an agent and its RDMA transport: :class:`RdmaBackend`, which UCX, the fake and
+the faulty backend implement, held to it by type checking (docs/architecture.md §2)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Waiting on Ray calls: one bound per wait, and the one map from Ray's errors to ours.
-
-Every wait on a Ray call in ray_velo goes through :func:`wait`. It bounds the wait, and maps
-Ray's errors once, here, by whom the call went to: this node's own agent (``peer="agent"``:
-a dead actor is :class:`~ray_velo.errors.AgentDied`) or a payload's owner (``peer="owner"``:
-a dead actor or node is :class:`~ray_velo.errors.OwnerDied`). An error the callee raised
-(``HandleNotFound``, ``PayloadTooLarge``...) comes back as itself, not wrapped. A wait that
-runs out raises what ``on_timeout`` builds (a :class:`~ray_velo.errors.TransferTimeout`).
-"""
+"""Waiting on Ray calls: one bound per wait, and the one map from Ray's errors to ours
+(docs/architecture.md §9)."""
 
 from __future__ import annotations
 

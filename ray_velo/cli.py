@@ -1,19 +1,5 @@
-"""``ray-velo``: the demo, the benchmark, and a look at (or the end of) a cluster's agents.
-
-ray-velo demo [--size-mib 256]
-ray-velo bench [--sizes 1,16,256] [--reps 5] [--json FILE] [--plot FILE] [--no-ucx-raw]
-ray-velo bench --decorator | --transport [--sizes 256] [--reps 5]
-ray-velo bench --calls [--reps 40]
-ray-velo bench --two-host [--link 10gbit,25gbit,none] [--sizes 256] [--reps 5] [--json FILE]
-ray-velo bench --two-host --transfers-only --sizes 1536,3072 [--budget-mib 1024] [--reps 3]
-ray-velo bench --two-host --transport [--link 25gbit] [--sizes 256] [--reps 5]
-ray-velo bench --two-host --fan-out 3 [--hosts 2] [--link 10gbit] [--sizes 256] [--reps 5]
-ray-velo status [--address auto] [--json]
-ray-velo stop [--address auto]
-ray-velo cleanup [--address auto] [--shm-dir DIR]
-ray-velo grafana [--dir DIR] [--session-dir DIR]
-ray-velo soak [--minutes 10] [--consumers 8] [--address ADDR] [--json FILE]
-"""
+"""``ray-velo``: the demo, the benchmarks, the soak, and a look at (or the end of) a cluster's
+agents (docs/deployment.md §9, docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Configuration: every knob of the protocol's configuration table, with its default and rules
-(docs/protocol.md §16).
-
-Durations are float seconds (``lease_timeout=30.0``), sizes are bytes. Each class is a frozen
-dataclass validated at construction; a bad value raises :class:`ConfigError` naming the
-field, the value and the rule. Values the protocol clamps (``lease_timeout`` to >= 1 ms,
-``ep_idle_timeout`` to >= 500 ms) are clamped, not refused.
-"""
+"""Configuration: every knob, with its default and rules, as frozen dataclasses validated when built
+(docs/protocol.md §16). Durations in seconds, sizes in bytes."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""What every role of a node agent shares: its state under one lock, its memory, its metrics.
-
-An agent plays four roles (owner, same-node producers and readers, caller-owned regions,
-cross-node consumer), each a module of its own. They share one :class:`AgentCore`:
-
-* three pure state objects over one buffer ledger: ``state``, the owner's
-  (:class:`~ray_velo.owner.state.OwnerState`), ``reservations``, its producers'
-  (:class:`~ray_velo.owner.reservations.Reservations`), and ``consumer_state``, the node's
-  consumer side (:class:`~ray_velo.consumer.state.ConsumerState`). They change only inside
-  ``with core.changing() as fx:``, which holds the one lock; the effects collected in ``fx``
-  (windows closed, buffers back to their pools, region anchors released, the timer poked)
-  are performed after the lock is released, so no unmap, close or free runs under it;
-* ``memory`` (pools and budget) locks itself;
-* ``commits`` lets a call that names a handle wait for its producer's commit, which the
-  producer sends without waiting for the answer.
-"""
+"""What every role of a node agent shares: its state under one lock, its memory, its metrics, and
+the effects performed after the lock (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""The agent's entry points, each declared once.
-
-Every call a process or another agent can make to a node's agent is one :class:`Entry`: its
-name, the method of the agent's roles that serves it, where it runs (the agent's event loop
-for a short change of state, its threads for anything that may wait, or a coroutine of the
-actor), which carriers take it besides Ray (the node's Unix socket, as a call or a notice;
-the agents' TCP wire, under a number), and whether it is one of the owner's handlers. The actor's methods,
-the wire's method numbers, the socket's dispatch and the owner's handler set are all derived
-from :data:`ENTRIES`: a new entry point is one line here and one method of the role that
-serves it (``RendezvousAgent.entry`` finds it). One name per concept: an entry and the
-method that serves it say the same verb (``end_lease`` is ``ReaderService.end_lease``, which
-calls ``OwnerState.end_lease``).
-
-Wire numbers are the wire format: an entry keeps its number forever and a new one takes the
-next free number, so an older agent refuses a newer method as unknown and never misreads it.
-Pure data: no I/O, no Ray.
-"""
+"""The agent's entry points, each declared once; everything else is derived from
+:data:`ENTRIES` (docs/architecture.md §8). Pure data: no I/O, no Ray."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""The one exception tree of ray_velo.
-
-Every error a user can see derives from :class:`VeloError`. Each carries structured fields
-(handle, sizes, node, the limit hit) and builds its message from them, so a log line says
-what went wrong and what to do. Every class pickles: Ray moves exceptions between processes.
-Foreign errors (Ray's, UCX statuses, ``OSError``) are mapped to these at the boundary that
-meets them, with ``raise ... from exc``.
-
-Taxonomy (after trio): errors the caller caused (bad config, bad handle, oversize payload),
-errors the world caused (an owner died, a GET failed, a timeout), and protocol errors a peer
-caused (a descriptor that does not decode, an owner that answers RDMA to no offer).
-"""
+"""The one exception tree of ray_velo: structured fields, messages built from them, and pickling
+(docs/architecture.md §9)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""Metrics: the protocol's series, counted in plain integers, exported through Ray.
-
-Each agent owns one :class:`AgentMetrics`. Work sites bump plain counters (no label objects,
-no locks on the hot path beyond the agent's own); when the agent runs inside Ray the same
-events also go to ``ray.util.metrics`` objects, which Ray exports on each node's metrics
-port with a ``ray_`` prefix (docs/metrics.md lists the exported names). ``snapshot()`` gives
-the counters to tests and to ``ray-velo status``; :func:`prometheus_registry` renders a
-snapshot for a standalone Prometheus scrape. No handle or lease id is ever a label.
-
-:data:`_SERIES` lists every series once, for both exports: the protocol's (docs/protocol.md
-§17), the operator's and the security ones.
-
-Every counter exists from the agent's start (at 0, for each label value it can take) and
-every gauge is set then and re-set on the agent's timer (:data:`GAUGE_REFRESH_S`), so a
-dashboard never shows "no data" for a quiet node. The histograms appear with their first
-observation (Ray exports no empty histogram).
-"""
+"""Metrics: the protocol's series, counted in plain integers and exported through Ray
+(docs/metrics.md, docs/protocol.md §17)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Calls an agent runs on its event loop, where nothing may block.
-
-An agent call costs one thread hop each way when it runs on the agent's threads: measured
-~0.27 ms per hop on the 2-core dev machine, more under load, and a cross-node fetch crossed
-several. Most calls are a short change of the owner state, so the agent runs them right on
-its event loop (:func:`on_loop`); the few steps that could block (waiting for a commit still
-on its way, mapping an arena, copying out of a caller's region) call :func:`check` first,
-before the call changed anything, and raise :class:`WouldBlock` there: the agent then runs
-the whole call again on a thread. Slow effects of a quick call (unmapping a dedicated arena,
-releasing a region's anchor) go to a thread through :func:`defer`.
-
-Outside :func:`on_loop` (the agent's threads, ``ray_velo.testing``) nothing here changes
-anything: :func:`check` passes and :func:`defer` runs its function at once.
-"""
+"""What an agent may run on its event loop, where nothing may block: :func:`check` before a step
+that might, :func:`defer` for slow effects (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""What an operator runs against a cluster: each agent's status, and the cleanup of the
-shared-memory segments that dead processes left (``ray-velo status`` / ``ray-velo cleanup``).
-
-A segment file names the pid of the process that mapped it; a SIGKILLed agent cannot unlink
-its own, so they stay in the node's shm directory until an agent starts there again or
-:func:`cleanup_cluster` runs. Removal checks that the pid is dead, so both are safe while
-agents serve.
-"""
+"""What an operator runs against a cluster: each agent's status, and the cleanup of segments dead
+processes left (``ray-velo status`` / ``ray-velo cleanup``, docs/deployment.md §9)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""Typed payloads: an object to (type header, contiguous bytes) and back, without pickling.
-
-``put`` stages numpy arrays of any dtype and shape (non-contiguous input is made contiguous),
-bytes-likes (bytes, bytearray, memoryview) and torch tensors on the CPU or a CUDA device. The
-type header travels with the slot, so ``fetch`` rebuilds the same kind of object over the
-fetched bytes: a read-only numpy view, ``bytes``, or a torch tensor.
-
-CUDA tensors (docs/gpu.md): with no GPU arena on the owner's node, a CUDA tensor is staged
-through host memory (one device-to-host copy; the agent counts it in ``velo_device_staged``)
-and its header says ``device="cuda"``. ``fetch`` rebuilds it on the consumer's current CUDA
-device (one host-to-device copy), or on the device the caller names, or on the CPU in a
-process without a CUDA device (:func:`fetch_device` is the rule).
-"""
+"""Typed payloads: an object to (type header, contiguous bytes) and back, without pickling
+(docs/api.md ``put``/``fetch``, docs/gpu.md)."""
 
 from __future__ import annotations
 

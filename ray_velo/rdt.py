@@ -1,41 +1,5 @@
-"""ray_velo as a Ray Direct Transport: ``@ray.method(tensor_transport="VELO")``.
-
-Ray (2.55 and later) lets a library move an actor method's returned tensors out of band
-(``ray.experimental.register_tensor_transport``). ``rv.init()`` registers two one-sided
-transports backed by the node agents:
-
-- ``"VELO"``: torch tensors on the CPU or a CUDA device (every dtype, bfloat16 included,
-  travels as raw bytes),
-- ``"VELO_NUMPY"``: numpy arrays.
-
-Lifetimes, in one place:
-
-- ``extract_tensor_transport_metadata`` runs in the source process right after the method
-  returned: each tensor is staged on that node's agent (one copy into shared memory) under a
-  handle with one reference, which *follows its producer*: it ends when Ray garbage-collects
-  the ObjectRef (``garbage_collect``, which drops that reference) or when the source process
-  dies, whichever comes first. From 8 MiB the copy is streamed (``session.stage_streamed``):
-  the handle is returned at once and a thread copies the tensor while receivers GET what is
-  copied, so the bytes are the tensor's as that thread reads them, milliseconds after the
-  return (Ray's rule: a source tensor changed in place before ``wait_tensor_freed`` may be
-  seen by receivers; docs/transports.md).
-- ``recv_multiple_tensors`` runs in each receiver (an actor, or the driver for ``ray.get``):
-  it fetches without consuming (``release=False``), through the same paths as ``rv.fetch``
-  (a view on the owner's node, a UCX GET or chunked pulls elsewhere, fallback once). numpy
-  arrays come back as read-only views that keep their bytes while they live (as Ray's own
-  ``ray.get`` does); torch tensors are private, writable copies, or land in the caller's
-  ``target_buffers``.
-- CUDA tensors (docs/gpu.md): with no GPU arena on the source's node they are staged through
-  host memory (one device-to-host copy each, counted by the agent in ``velo_device_staged``),
-  and a receiver rebuilds them on its current CUDA device (one host-to-device copy), or on
-  the CPU when it has none; a CUDA target buffer is filled from the host copy.
-
-Ray registers a serializer for the transport's data type in every process that returns an
-RDT object, and its fallback for ordinary returns of that type pickles in band (a copy, and
-no zero-copy read). :func:`_keep_ordinary_returns_zero_copy` puts back the type's own
-out-of-band reduction for ordinary values, so registering a transport costs nothing to code
-that does not use it.
-"""
+"""The ``"VELO"`` (torch) and ``"VELO_NUMPY"`` Ray tensor transports, backed by the node agents;
+lifetimes, streaming and devices: docs/transports.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""This process's ray_velo session: its node's agent, the segments it mapped, and the calls.
-
-One :class:`Session` per process (driver, task, actor), made on first use inside a Ray worker.
-Every call to the local agent goes through :func:`call`, which maps Ray's errors once (through
-:func:`ray_velo.calls.wait`). The staging and reading primitives here are what the public API
-(:mod:`ray_velo.api`) and transparent staging (:mod:`ray_velo.staging`) share:
-
-* :func:`stage`: reserve on the agent, write the bytes into the shared segment, commit
-  (:func:`reserve` and :func:`commit` alone: a payload built in place, :mod:`ray_velo.writable`;
-  :func:`stage_streamed`: commit first, write on a thread while readers GET what is written);
-* :func:`lease`: a local lease on a handle's bytes on this node (brought over if remote);
-* :func:`leased_array`: a read-only view whose lease ends when the view is collected;
-* :func:`claim_end` / :func:`release_soon`: end a claim or drop a reference, not waited for.
-
-Units: sizes in bytes, durations in seconds.
-"""
+"""This process's ray_velo session: its node's agent, the segments it mapped, and the staging and
+reading primitives the API and transparent staging share. Sizes in bytes, durations in seconds."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The agent's three pure state objects, built together over one buffer ledger.
-
-The owner's state (:class:`~ray_velo.owner.state.OwnerState`: slots, leases, the buffers
-under them), its producers' reservations (:class:`~ray_velo.owner.reservations.Reservations`)
-and the node's consumer-side state (:class:`~ray_velo.consumer.state.ConsumerState`:
-destinations, copies, relays, claims). The agent's core holds them (ray_velo/core.py); unit
-tests build them here without an agent. The timer's sweep, the reaping of dead processes and
-shutdown's clear reach all three, in the order written here. No I/O.
-"""
+"""The agent's three pure state objects, built together over one buffer ledger; the cross-cutting
+sweeps reach them in the order written here (docs/architecture.md §4). No I/O."""
 
 from __future__ import annotations
 

@@ -6,15 +6,11 @@ what they return: a slot whose bytes may go comes back as a :class:`FreedSlot`, 
 the owner state gives back once no read is in progress. Everything that changes slot state
 lives in this file. ``validate()`` checks the invariants; tests call it after every step.
 
-A handle and its bytes end at different times (docs/architecture.md §5):
-
-* The **handle ends** when its last reference is released, its TTL fires, or it is evicted
-  (its region went away, its owner shut down). From then on every new acquire, ref, claim and
-  metadata call is refused with ``HandleNotFound`` naming why, even while its bytes are
-  still being read.
-* The **bytes end** when the handle has ended and no lease is left on the slot. Only then
-  does the store hand the slot back (``FreedSlot``). A live zero-copy view holds a local
-  lease, so a TTL never takes the bytes from under it.
+A handle ends before its bytes (docs/architecture.md §5). The **handle ends** when its last
+reference is released, its TTL fires, its job ends, or it is evicted (its region went away,
+its owner shut down); from then on every new acquire, ref, claim and metadata call is refused
+with ``HandleNotFound`` naming why. The **bytes end** when the handle has ended and no lease
+is left on the slot: only then does the store hand the slot back (``FreedSlot``).
 
 Rules, from the protocol (docs/protocol.md §3, §11) and the lifetime issue:
 
@@ -24,27 +20,24 @@ Rules, from the protocol (docs/protocol.md §3, §11) and the lifetime issue:
   unclaimed reference (``refcount - claimed >= 1``) or is refused with ``HandleReleased``: N
   references allow exactly N consumers, however many race. A claim ends with a
   ``release(claim=True)`` (its reference consumed) or ``unclaim`` (given back).
-* An RDMA lease always has a deadline (``lease_timeout``); the consumer renews it while its
-  GET runs. A chunked lease has one only when the acquire asked for it (``lease_ms``); each
-  pull renews it. A local lease (a process on this node reading in place) has no deadline;
-  it ends when its holder process dies (a detach: the reference was dealt with at acquire).
-* A remote lease that passes its deadline is force-released (lock and one reference, and its
-  claim if it carried one), like a consumer's ``release``: its consumer is gone or gave up.
-* A TTL ends the handle and its chunked leases (that consumer has given up); RDMA and local
-  leases keep the bytes until they end, since a GET or a view may still read them.
-* A slot records the Ray job that staged it (``job``). When that job ends, :meth:`end_job`
-  ends its handles as a TTL does, unless the slot was staged ``detached`` (shared across jobs
-  on purpose: it lives until released or its TTL fires). ``followed_jobs()`` names the jobs
-  whose end the owner must watch for.
-* ``next_deadline()`` says when the next deadline falls, so the driver arms a timer only
-  while one exists.
+* An RDMA lease always has a deadline (``lease_timeout``), renewed while its GET runs; a
+  chunked lease has one only when the acquire asked for it (``lease_ms``), renewed by each
+  pull; a local lease (a process on this node reading in place) has none and ends when its
+  holder process dies (a detach: the reference was dealt with at acquire).
+* A remote lease past its deadline is force-released like a consumer's ``release`` (lock, one
+  reference, and its claim if it carried one): its consumer is gone or gave up.
+* A TTL ends the handle and its chunked leases; RDMA and local leases keep the bytes until
+  they end, since a GET or a view may still read them.
+* A slot records the Ray job that staged it (``job``); :meth:`end_job` ends its handles as a
+  TTL does, unless it was staged ``detached``. ``followed_jobs()`` names the jobs whose end
+  the owner must watch for; ``next_deadline()`` says when the next deadline falls, so the
+  driver arms a timer only while one exists.
 
-Cost (issue 28: a node may hold a hundred thousand live handles): every operation touches
-only the slot, lease or job it names. The counts (live handles, staged bytes, leases by kind)
-are kept as the work happens, leases are indexed by consumer agent and by holder process, and
-deadlines and TTLs sit in one heap whose stale entries are dropped as they surface (a renewal
-only moves the lease's deadline; its entry, when due, is pushed again at the new deadline).
-``validate()`` checks every count and index against a recount.
+Cost (a node may hold a hundred thousand live handles): every operation touches only the
+slot, lease or job it names. Counts are kept as the work happens, leases are indexed by
+consumer agent and by holder process, and deadlines and TTLs sit in one heap whose stale
+entries are dropped as they surface (a renewal only moves the lease's deadline; its entry,
+when due, is pushed again). ``validate()`` checks every count and index against a recount.
 """
 
 from __future__ import annotations

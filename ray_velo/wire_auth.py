@@ -1,16 +1,5 @@
-"""Who may use the agents' TCP wire: the handshake's I/O, and TLS where Ray uses TLS.
-
-:class:`WireAuth` is one agent's credentials for the wire: the cluster's secret (from Ray's
-KV, which Ray's token guards) and, when Ray runs with ``RAY_USE_TLS=1``, Ray's own certificates
-(``RAY_TLS_SERVER_CERT``, ``RAY_TLS_SERVER_KEY``, ``RAY_TLS_CA_CERT``), mutually verified. The
-owner's side (:meth:`WireAuth.accept`) runs before the wire reads a single frame; the
-consumer's side (:meth:`WireAuth.connect`, :meth:`WireAuth.connect_blocking`) before it sends
-one. The bytes of the handshake are :mod:`ray_velo.protocol.handshake`'s.
-
-Every failure is a :class:`~ray_velo.errors.WireAuthError` with its reason; whoever saw it
-reports it through :meth:`WireAuth.refused` (counted in ``velo_wire_auth_failures``, logged
-at warning once per peer address).
-"""
+"""Who may use the agents' TCP wire: the handshake's I/O, and TLS where Ray uses TLS
+(docs/deployment.md §8, docs/architecture.md §13)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
 """Memory of this node's agent that a process writes: a :class:`PinnedWriter` and a
-:class:`SendBuffer`.
-
-Both are a producer's reservation (``reservation:<rid>`` in the agent's buffer ledger,
-:mod:`ray_velo.owner.state`) handed to the caller as a writable numpy array. Who owns the
-memory, from reservation to pool:
-
-* The caller's arrays over it, views of views included, all lead to one
-  :class:`_ReservationBytes` through their ``base``. The reservation goes back to the pool
-  only when that object is collected, so no array can ever write into memory the pool gave
-  to another payload. Closing a writer, or dropping it, only lets go of the writer's own
-  reference.
-* :meth:`SendBuffer.seal` hands the reservation to the agent as a slot with no copy, but
-  only when nothing but the buffer itself holds the array: an array that can still be
-  written must not become bytes a reader may be GETting. With views still alive, seal
-  stages a copy instead (logged), and the reservation goes back once they are collected.
-
-Raw addresses taken from an array (``array.ctypes.data`` as an int, a pointer handed to C)
-are not references: whoever keeps one must not write through it after ``seal``.
-"""
+:class:`SendBuffer`, each a producer's reservation seen as a writable numpy array (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Benchmarks, measured side by side in one run: ray_velo against Ray's object store and the
-link's own ceiling.
-
-* :mod:`~ray_velo.bench.samehost`: two Ray nodes on this machine (``ray-velo bench``): UCX
-  moves bytes through CMA or shared memory here, a path no two real hosts have.
-* :mod:`~ray_velo.bench.twohost`: two emulated hosts (``ray-velo bench --two-host``):
-  network namespaces joined by a shaped link, UCX over TCP, as between two Ethernet hosts.
-"""
+link's own ceiling (docs/benchmarks.md)."""
 
 from ray_velo.bench.samehost import (
     COLUMNS,

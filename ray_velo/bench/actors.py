@@ -1,10 +1,5 @@
-"""The actors every benchmark places on its nodes: a producer and a consumer of arrays.
-
-The producer holds a prepared array (made untimed) and hands it on through Ray's object store
-or ray_velo; the consumer takes it and reads every page (a materialized transfer, not a lazy
-view). Both time themselves with ``perf_counter`` so the driver's own scheduling is not counted.
-Ray is imported when :func:`bench_actors` is first called, not at import.
-"""
+"""The actors every benchmark places on its nodes: a producer of arrays and a consumer that reads
+every page, each timing itself. Ray is imported on first use."""
 
 from __future__ import annotations
 

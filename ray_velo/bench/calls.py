@@ -1,16 +1,5 @@
 """``ray-velo bench --calls``: what each call on a transfer's path costs, over Ray and over
-ray_velo's own control plane, measured side by side on a two-node local cluster.
-
-The calls a producer or consumer waits for (see docs/tuning.md, "The control plane"):
-
-* ``stage_reserve`` (every put) and ``local_acquire`` (a fetch on the owner's node): a
-  process to its own agent, as a Ray actor call or over the agent's Unix socket;
-* ``fetch_remote`` (a fetch from another node): a process to its own agent, which acquires
-  from the owner, GETs and answers; as a Ray call or over the socket (the agents' own
-  acquire over the TCP wire either way);
-* an owner handler (``_rv_metadata``, the same work as an acquire's lookup): one agent to
-  another's, as a Ray actor call or a frame on the owner's TCP wire.
-"""
+ray_velo's own control plane (docs/tuning.md, "The control plane")."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""``ray-velo bench --two-host --fan-out K [--hosts N]``: one payload, K readers at once.
-
-An actor on host a returns an array; K actors on the other hosts (b, c, ..., one reader per
-host in turn: :func:`reader_hosts`) take it at the same moment and read every page. Ray: the
-ObjectRef goes to the K readers (Ray pulls the object into each reader node once). ray_velo:
-the producer is ``@rv.transfer(consumers=K)``, the readers decorated; overlapping fetches on
-one node share one transfer and the others read its copy (single flight), and a reader host
-may take the bytes from another reader host's copy instead of host a's (a relay). Also timed:
-ray_velo with one reader on host b, the time K readers should come close to. The three run
-interleaved round by round, so each ray_velo round has a Ray round beside it.
-"""
+"""``ray-velo bench --two-host --fan-out K [--hosts N]``: one payload, K readers at once
+(docs/benchmarks.md, "One payload, K readers")."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""The GPU benchmark of issue 16: two processes on one GPU move a CUDA tensor, three ways.
-
-``python -m ray_velo.bench.gpu [--size-mib 256] [--reps 5] [--json FILE]`` on a machine with a
-CUDA GPU. Columns (median seconds of the move, consumer side, to a synchronised device):
-
-- ``velo``: ``rv.put`` of a CUDA tensor in one actor, ``rv.fetch`` onto the GPU in another;
-- ``ucx_raw``: a bare UCX GET of the same bytes, CUDA memory to CUDA memory, between two
-  fresh processes (cuda_ipc on one GPU): the ceiling;
-- ``ray``: ``ray.put`` of the tensor and ``ray.get`` of it in the other actor (Ray's object
-  store, which stages through host memory).
-
-The issue's bars: ``velo`` >= 0.8x ``ucx_raw`` and >= 5x ``ray`` (bandwidths). NIXL's VRAM
-READ is reported beside them when the ``nixl`` package is importable, else said to be absent.
-Nothing here runs on import; it needs torch with CUDA, Ray and the UCX binding.
-"""
+"""The GPU benchmark of issue 16: two processes on one GPU move a CUDA tensor three ways
+(docs/gpu.md, "Commands for a GPU machine"). Nothing runs on import."""
 
 from __future__ import annotations
 

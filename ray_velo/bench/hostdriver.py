@@ -1,28 +1,5 @@
-"""The two-host bench's driver: runs inside host a of the testbed, measures, reports JSON.
-
-Started by :mod:`ray_velo.bench.twohost` as ``python -m ray_velo.bench.hostdriver`` inside
-the first host's namespace. A producer actor on host a hands arrays to a consumer actor on
-host b; every column is measured here, in one run, side by side:
-
-* ``ray``: Ray's object store: ``ray.put`` on a, ``ray.get`` and a read of every page on b.
-* ``velo``: ``rv.put`` on a, ``rv.fetch`` and the same read on b (UCX GET over the link).
-* ``put`` and ``get_leg``: the producer's ``rv.put`` alone and the consumer agent's UCX GET
-  alone (what is left of ``velo`` is the control calls and the consumer's read).
-* ``velo_built``: the same, the array built in place: ``rv.empty`` on a, filled (the fill,
-  which stands for the producer computing its result there, is not timed), sealed with no
-  staging copy; ``seal`` and ``built_get_leg`` as ``put`` and ``get_leg``.
-* ``pipe_ray`` / ``pipe_velo``: an actor on a returns the array to a task on b that reads
-  it, undecorated and under ``@rv.transfer``, timed from this driver.
-* ``chunked``: ``velo`` again with the kill switch on both agents (the chunked path).
-* ``latency``: for 300 KiB to 4 MiB, the median time per transfer of ``ray``,
-  ``velo`` and both pipelines (mid-size payloads cost round trips, not bandwidth).
-
-``--transport`` measures the tensor transports instead, and ``--fan-out K`` one payload from
-host a to K readers spread over every other host of the testbed
-(:mod:`ray_velo.bench.fanout`).
-
-Progress goes to stderr; the last stdout line is ``RESULT <json>``.
-"""
+"""The two-host bench's driver: runs inside host a of the testbed, measures every column, and
+prints ``RESULT <json>`` last (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -104,7 +81,7 @@ def measure(
     transfers_only: bool = False,
     probe_rounds: bool = False,
 ) -> dict[str, Any]:
-    """Every column for every size (see the module docstring), medians in seconds, and
+    """Every column for every size (docs/benchmarks.md), medians in seconds, and
     each transfer round's seconds (``samples``); ``transfers_only``: Ray, velo and the
     chunked path only (no pipelines, no mid-size latency table: for payloads of GiBs);
     ``probe_rounds``: the parent probes the link after every counted transfer round."""

@@ -1,20 +1,5 @@
-"""Side-by-side benchmarks: ray_velo against Ray's object store and the raw UCX ceiling.
-
-Everything runs in one process tree, one run, on one embedded two-node cluster
-(``ray.cluster_utils.Cluster``: two raylets on this machine, each its own node with its own
-object store), so the ratios compare like with like on a shared, noisy machine. Absolute
-numbers mean little here; ratios measured side by side do.
-
-Columns (per payload size, medians over repetitions, GB/s = 1e9 bytes/s):
-
-* ``ray``: Ray's object store end to end: ``ray.put`` on node a, ``ray.get`` + touch on b.
-* ``velo_chunked``: ray_velo end to end over the chunked path (staged in plain memory):
-  ``rv.put`` on node a, ``rv.fetch`` + touch on node b.
-* ``velo_rdma``: the same, staged pinned: the consumer agent GETs with UCX.
-* ``get_leg``: the RDMA GET alone (the consumer agent's GET duration).
-* ``ucx_raw``: the ceiling: a bare UCX GET between two processes over the same transport
-  and the same kind of memory (``/dev/shm`` segments), no Ray at all.
-"""
+"""``ray-velo bench``: ray_velo against Ray's object store and the raw UCX ceiling on two Ray nodes
+of this machine (docs/benchmarks.md, "On one machine")."""
 
 from __future__ import annotations
 

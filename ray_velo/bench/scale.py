@@ -1,22 +1,5 @@
-"""``ray-velo bench --scale``: the cost of one operation as the live handles on a node grow.
-
-A pipeline that keeps many payloads staged (a replay buffer, a sharded dataset) holds thousands
-of live handles on one node; each operation must cost the same with one or a hundred thousand.
-On an embedded two-node cluster, a worker on node a fills its node with live handles (small
-payloads: their number is what matters, not their bytes) up to each count, and at each count
-times, interleaved and side by side, medians of ``samples`` runs of:
-
-* ``put``: ``rv.put`` of a 64 KiB array (its handle released afterwards, untimed);
-* ``fetch``: a same-node ``rv.fetch(h, release=False)`` of a staged 64 KiB handle, the view
-  then dropped (its lease ends);
-* ``release``: ``rv.release(h, 0)`` of a live 64 KiB handle (its last reference: it ends);
-* ``ray``: Ray's ``ray.put`` + ``ray.get`` of the same array in the same task;
-* ``remote``: a cross-node fetch: a worker on node b fetches 64 KiB handles of node a (both
-  nodes on this machine: the control plane's cost, not a link's);
-
-and the agent's anonymous memory (its heap) per live handle. The 64 KiB payload's granules
-are what a 64 KiB payload occupies; the bookkeeping is what the per-handle figure shows.
-"""
+"""``ray-velo bench --scale``: the cost of one operation as the live handles on a node grow
+(docs/tuning.md, "Many live handles")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""``ray-velo soak``: hours of traffic in minutes, and a check that nothing grows.
-
-Producers on one node stage payloads of mixed sizes, pinned (the RDMA path) and plain (the
-chunked path); ``consumers`` actors on another node fetch each one and check its bytes.
-The work is bounded in count (one payload in flight per consumer) and in time. Each agent's
-registered bytes, segments, open files, threads and heap (anonymous resident memory) are
-sampled. Pools keep their arenas warm, so registered bytes and segments step up while the
-traffic first meets its worst mix and then stay: the soak takes the highest level of the
-warm-up (the first third of the run) as the baseline, and fails when a figure in the last
-third of the run, or after the traffic drained, exceeds it by more than its slack
-(:class:`Slack`); or when a payload came back wrong, a fetch failed, or a slot or lease is
-left. A leak grows without bound and shows; a warm pool does not.
-"""
+"""``ray-velo soak``: hours of traffic in minutes, and a check that nothing grows
+(docs/benchmarks.md, "Soak")."""
 
 from __future__ import annotations
 

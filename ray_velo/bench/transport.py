@@ -1,25 +1,5 @@
-"""``ray-velo bench --transport``: Ray Direct Transport objects actor to actor, side by side.
-
-One actor on the producer's host returns a payload; one actor on the consumer's host takes
-the ObjectRef as an argument and reads every page. Timed from the driver (submit both, get the
-consumer's small result), in one run, per size:
-
-* torch, **interleaved** round by round after one warm-up round each: Ray's object store (no
-  transport), ``tensor_transport="NIXL"`` (where the ``nixl`` package is installed:
-  ``pip install 'ray-velo[nixl]'``) and ``tensor_transport="VELO"``, so the machine's
-  moods fall on all three alike; the median of each is reported. NIXL runs in a producer and
-  a consumer of its own on the same hosts, made for each of its rounds (two untimed warm-up
-  transfers, then the timed one) and ended right after: an idle NIXL agent's progress thread
-  spins, a whole core per process (measured here: two idle NIXL actors at 100 % and 97 %), and
-  on this 2-core machine that halved every other transport's speed while they lived;
-* numpy, each in a block of its own: Ray's object store and ``tensor_transport="VELO_NUMPY"``;
-* ordinary returns after registration: the same plain (object-store) numpy and torch returns
-  from an actor that has already returned an RDT object of that type, against one that has
-  not (Ray registers a process-wide serializer for the data type at the first RDT return).
-
-The same function runs on the embedded two-node cluster and inside a two-host testbed, where
-the parent also probes the raw link (one TCP socket) for each size.
-"""
+"""``ray-velo bench --transport``: Ray Direct Transport objects actor to actor, side by side
+(docs/benchmarks.md, "Tensor transports")."""
 
 from __future__ import annotations
 

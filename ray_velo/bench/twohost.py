@@ -1,23 +1,5 @@
-"""``ray-velo bench --two-host``: ray_velo across two emulated hosts, beside Ray and the link.
-
-For each link rate asked for, one :class:`~ray_velo.testbed.Testbed` (two network
-namespaces, a veth link shaped with ``tc tbf``, a Ray node started with ``ray start`` in each,
-UCX over TCP) is built, and in that one run:
-
-1. the driver (:mod:`ray_velo.bench.hostdriver`) runs inside host a and measures Ray's object
-   store, ``rv.put``/``rv.fetch``, the ``@rv.transfer`` pipeline and the chunked path;
-2. after every counted transfer round the driver waits while this process probes the link's
-   ceilings: a plain TCP socket (``raw_tcp``) and a bare UCX GET (``raw_ucx``) from host a to
-   host b, same UCX settings as the agents. Each round's ``velo/raw`` is so measured side by
-   side (the link probe alone varies by a quarter between sittings on a 2-core machine);
-3. everything the testbed started is ended by pid and the namespaces are removed.
-
-Ratios are what to read: ``velo/ray`` and ``velo/raw`` (raw = the plain socket), with the
-range of the per-round ``velo/raw``.
-
-``--transport`` and ``--fan-out K`` (:mod:`ray_velo.bench.fanout`) use the same testbed and
-driver; ``--fan-out`` may ask for more hosts (``--hosts N``: the readers go to b, c, ...).
-"""
+"""``ray-velo bench --two-host``: ray_velo across emulated hosts, beside Ray and the link's own
+ceiling (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Performs a :class:`~ray_velo.consumer.fetch.FetchMachine`'s instructions: the calls, the
-GET with its lease renewal, the pulls, and the buffer moves in the owner state's ledger.
-
-The machine decides; this module only does. Each request's outcome (or the error it raised)
-goes back to the machine as an event, until the machine says Done or Fail. Every buffer this
-fetch allocates is entered in the ledger as ``fetch:<id>`` the moment it exists, and leaves it
-only as the machine says: back to its pool, into the quarantine, or into a local slot.
-"""
+"""Performs a :class:`~ray_velo.consumer.fetch.FetchMachine`'s instructions: the calls, the GET
+with its lease renewal, the pulls, and the ledger moves. The machine decides; this only does."""
 
 from __future__ import annotations
 

@@ -1,31 +1,5 @@
-"""One cross-node fetch as a pure state machine: events in, instructions out.
-
-Theory of operation (after dask's worker state machine). A :class:`FetchMachine` knows the
-protocol of one fetch: acquire with or without an RDMA offer, check the descriptor, get a
-destination, GET (the lease renewed meanwhile by the driver), fall back to chunks exactly once,
-pull, and end the lease the way the fetch's mode says. It performs nothing. The driver
-(:mod:`ray_velo.consumer.driver`) calls :meth:`FetchMachine.start`, performs the instructions
-it gets back in order, and feeds the result of the last one (a *request*: Acquire,
-CheckDescriptor, Allocate, Get, Pull) back with :meth:`FetchMachine.on`, until a ``Done`` or
-``Fail`` ends the list. The other instructions (Count, EndLease, GiveBack, Quarantine,
-WithdrawWriter, Stage) expect no result.
-
-**Who owns the destination** is :attr:`FetchMachine.dest`, one of:
-
-* ``None``: no destination (nothing allocated yet, or it went back to its pool);
-* ``"fetch"``: a buffer this fetch allocated (registered for a GET, plain for chunks);
-* ``"writer"``: the caller's PinnedWriter, which the fetch fills but never frees;
-* ``"quarantine"``: a timed-out GET may still write it; it is never given back;
-* ``"slot"``: it became the node-local slot the reader leases.
-
-Every change of owner is one instruction (GiveBack, Quarantine, WithdrawWriter, Stage) issued
-once, so a buffer cannot be both quarantined and freed.
-
-Modes: ``release`` (a fetch that consumes its reference: claimed at acquire, released at the
-end), ``claim`` (a transparent resolution: claimed at acquire, the claim kept after the
-transfer and consumed or given back once the task's body ended), ``detach`` (a fetch that
-keeps the handle usable) and ``hold`` (the get family: the owner's lease stays the caller's).
-"""
+"""One cross-node fetch as a pure state machine: events in, instructions out, one owner of the
+destination at a time (docs/architecture.md §6)."""
 
 from __future__ import annotations
 

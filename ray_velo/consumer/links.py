@@ -1,10 +1,5 @@
-"""How a consumer reaches one owner: the :class:`OwnerLink` interface and its Ray form.
-
-The fetch driver talks to an owner only through an :class:`OwnerLink`: a synchronous call
-bounded by the fetch's deadline, a fire-and-forget send (lease ends, renewals), and the
-chunked pulls. :class:`RayOwnerLink` carries them as Ray actor calls to the owner's agent;
-``ray_velo.testing`` carries them to an owner in the same process.
-"""
+"""How a consumer reaches one owner: the :class:`OwnerLink` interface (calls, notices, pulls) and
+its Ray form."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""The owners a consumer knows: how to reach each one, and whether UCX is wired to it.
-
-:class:`PeerDirectory` finds an owner's agent by the node hint in a handle (or, for a handle
-that lost it, by the worker id the owner recorded in Ray's KV), keeps one
-:class:`~ray_velo.consumer.links.RayOwnerLink` per node, forgets a dead incarnation's, and
-registers peers' UCX worker addresses with the RDMA backend: the consumer's third offer fact
-("UCX is registered for that peer"). After a first (chunked) transfer from an unknown owner it
-learns that owner's address, so later transfers offer RDMA (the protocol's cold start,
-docs/protocol.md §8).
-"""
+"""The owners a consumer knows: how to reach each one, and whether UCX is wired to it (the
+consumer's third offer fact, docs/protocol.md §8)."""
 
 from __future__ import annotations
 

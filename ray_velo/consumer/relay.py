@@ -1,13 +1,5 @@
-"""Copies read by other nodes as they fill: both ends (the bookkeeping is
-:mod:`ray_velo.owner.relays`; the bytes stay in the owner state's ledger).
-
-The serving end, :class:`RelayServer`, answers ``_rv_relay`` on a copy's agent: a relay lease
-on the copy (its bytes stay while the lease lives), and how many bytes have landed, waiting a
-little for more. The reading end, :func:`read_relay`, runs on an agent thread inside a GET:
-it follows the copy's progress, GETs each newly landed range, and stops at the first thing
-that goes wrong (the copy's node died, its fetch failed, a GET failed), returning how far it
-got: the caller GETs the rest from the owner, under the owner's lease it holds throughout.
-"""
+"""Copies read by other nodes as they fill: the serving end (``_rv_relay``) and the reading end
+inside a GET (docs/tuning.md, "One payload, many consumers")."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""The agent as consumer, for the processes of its node: fetch from other nodes' owners,
-reuse a node-local copy, end claims, and route the handle API to a handle's owner.
-
-A fetch from another node runs a :class:`~ray_velo.consumer.fetch.FetchMachine` through the
-:class:`~ray_velo.consumer.driver.FetchDriver`. A node-local copy of the same payload serves a
-second fetch on this node without moving bytes, but only once the owner said so: the handle
-may have ended there (released, TTL), and a consuming fetch claims its reference there, so
-``consumers=N`` stays exact whichever node reads. Fetches of one handle that overlap share
-one transfer (single flight): the later ones wait for the first and read its copy, so the
-bytes cross the link once however many tasks of the node take them at once.
-"""
+"""The agent as consumer for its node's processes: fetches from other nodes (single flight),
+node-local copies, claims, and routing the handle API to owners (docs/architecture.md §6)."""
 
 from __future__ import annotations
 
@@ -194,8 +185,8 @@ class ConsumerService:
     async def _from_copy(
         self, link: OwnerLink, handle: DataHandle, mode: Mode, deadline: Deadline, pid: int
     ) -> LocalLease | None:
-        """Serve from a live node-local copy, once the owner agreed (see the module
-        docstring). The reader's lease on the copy is taken first, so the copy cannot go
+        """Serve from a live node-local copy, once the owner agreed (docs/architecture.md
+        §6). The reader's lease on the copy is taken first, so the copy cannot go
         between the owner's word and the lease."""
         core = self.core
         with core.lock:

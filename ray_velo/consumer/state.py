@@ -1,22 +1,5 @@
-"""The node's consumer-side state: what an agent holds as the consumer for its node's
-processes, beside (not inside) what it owns.
-
-Theory of operation. :class:`ConsumerState` holds the destinations of fetches in flight
-(``fetch:<id>`` in the :mod:`buffer ledger <ray_velo.owner.ledger>`), the node-local copies
-of other nodes' payloads (a fetch's destination, staged as a local slot of the owner state and
-found again by the remote handle), the copies other nodes read as they fill (relays: their
-readers' leases, and a failed fetch's bytes they still read, ``relayed:<id>``), and the claims
-this node's processes hold on handles of any node. It does no I/O, starts no thread and reads
-no clock; like the owner state it is changed under the agent's one lock and adds what the
-caller must do to an :class:`~ray_velo.owner.ledger.Effects`.
-
-It stands on the owner state's public methods: a destination becomes a slot through
-:meth:`OwnerState.stage`, a copy's readers are reads in progress of the owner's read
-gate, a copy ends through :meth:`OwnerState.end_slot`. The owner state tells it, through
-:meth:`slot_ended` and :meth:`reader_left`, when a slot's bytes went and when a reader of a
-slot left (it watches its copies). Relay bookkeeping of one copy is
-:class:`~ray_velo.owner.relays.Relay`.
-"""
+"""The node's consumer-side state: destinations, node-local copies, relays and claims, beside (not
+inside) what the agent owns (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

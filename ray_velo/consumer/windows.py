@@ -1,19 +1,5 @@
-"""The consumer's end of a windowed GET (:mod:`ray_velo.memory.windows`): asking the owner for
-each window of a plain slot one step ahead of the GETs, so the link never waits for a round
-trip.
-
-A :class:`WindowFeed` sends ``_rv_window`` calls from its own thread, in the order asked, and
-keeps their answers (a checked descriptor, or what went wrong) for :meth:`WindowFeed.take`.
-The GET loop asks for window ``i + 1`` (saying window ``i - 1`` is done) before it GETs window
-``i``: the owner registers the next window while the current one moves, and never holds more
-than two. The thread ends with the GET (:meth:`WindowFeed.close`); each call is bounded, so
-it cannot outlive the GET by more than one call's bound.
-
-A slot its producer is still writing (streamed staging) is read the same way, but the owner
-answers each ``_rv_window`` once that window is written, with the bytes from it to as far as
-they are written (:func:`written_range`): one GET takes all that is there, so a payload whose
-copy outruns the link moves in a few GETs.
-"""
+"""The consumer's end of a windowed GET: asking the owner for each window one step ahead of the
+GETs, from a thread of its own (docs/architecture.md §14)."""
 
 from __future__ import annotations
 

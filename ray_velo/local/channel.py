@@ -1,25 +1,5 @@
-"""The node's fast lane: a process's waited-for calls to its own agent over a Unix socket.
-
-A Ray actor call costs 1-3 ms on a loaded 2-core machine (measured: 2.6 ms median for a
-no-op call to a threaded actor, 3.5 ms to an asyncio one), and ``rv.put`` waits for one
-(the reservation) and ``rv.fetch`` for another. A round trip over a Unix socket to the same
-agent costs ~0.3 ms there. So the three calls a producer or reader waits for
-(``stage_reserve``, ``local_acquire``, ``fetch_remote``) go over the agent's socket; the
-calls nobody waits for (commits, lease ends) stay Ray calls, where their cost is off the
-path, and a commit that lands after the handle's first use is waited for by the agent (the
-commit gate).
-
-Frames are a 4-byte big-endian length and a pickle: ``(method, args)`` in, ``(ok, value)``
-out, one call at a time per connection; each thread of a process has its own connection, closed
-when the thread ends, and a process holds at most :data:`MAX_CONNECTIONS` of them: a thread
-beyond that (a pool of a thousand fetching threads) makes Ray calls instead, so the agent's
-open files stay bounded by its processes, not by their threads.
-The socket file is the agent's, mode 0600 in the node's shm directory: only the user that
-runs Ray reaches it, as with Ray's own plasma socket. The agent also asks the kernel who
-connected (``SO_PEERCRED``) and closes, unread, a connection from any other user (a socket
-directory whose modes are not kept, a mode changed by hand). A call that finds the agent gone
-(refused, reset, closed) raises :class:`~ray_velo.errors.AgentDied`, as a dead actor does.
-"""
+"""The node's fast lane: a process's calls and notices to its own agent over a Unix socket
+(docs/architecture.md §7, docs/tuning.md "The control plane")."""
 
 from __future__ import annotations
 

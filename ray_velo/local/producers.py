@@ -1,10 +1,5 @@
-"""Same-node producers: reserve a range of a shared segment, write it, commit it.
-
-A producer (``rv.put``) asks its node's agent for a reservation, writes its bytes straight
-into the shared segment (one copy, no transfer), and commits without waiting for the answer;
-a call that names the handle before the commit lands waits for it (the commit gate). A
-PinnedWriter is a reservation that is never committed, only filled and given back.
-"""
+"""Same-node producers: reserve a range of a shared segment, write it, commit it
+(docs/architecture.md §7)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Same-node readers: a process of the owner's node reads a slot in place, under a lease.
-
-A numpy fetch on the owner's node is a read-only view of the shared segment: no transfer, no
-copy. The view holds a local lease until it is garbage-collected (or its process dies). A slot
-staged in a caller's region is never handed out in place (its owner may write it at any time):
-the reader gets a lease on a copy taken under the region's copy gate.
-"""
+"""Same-node readers: a process of the owner's node reads a slot in place under a local lease
+(docs/architecture.md §7)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What an agent hands the processes of its node: where to write, where to read.
-
-These travel as the answers of agent calls (Ray pickles them), so they are small frozen
-records: a segment path and a byte range, never memory.
-"""
+"""What an agent hands the processes of its node, as small frozen records: a segment path and a
+byte range, never memory."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Caller-owned registered regions (the protocol's ``RegionGuard``, docs/protocol.md §10).
-
-A process of the node asks for registered memory it owns and writes (``rv.alloc_region``):
-the agent creates a segment, registers it, charges the budget (evicting idle warm arenas
-first), and stages ranges of it with no copy. Unregistering gates new use, drains the slots
-in flight, unmaps, and ends every slot still staged in the region. The registration and the
-unmap run outside the agent's state lock.
-"""
+"""Caller-owned registered regions served to the node's processes: allocate, stage with no copy,
+unregister (docs/protocol.md §10, docs/architecture.md §14)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Staging memory: shared-memory arenas, the registered arena pool and caller-owned regions.
-
-Layers, bottom up:
-
-* :mod:`~ray_velo.memory.allocator` hands out 4 KiB granule ranges of one arena in O(1).
-* :mod:`~ray_velo.memory.arena` creates arena files in a shared-memory directory (the owner
-  agent) and maps them by path (every other process of the node).
-* :mod:`~ray_velo.memory.pool` keeps a few large arenas registered with the RDMA backend
-  through a :class:`Registrar`, charged to a :class:`RegistrationBudget`, and falls back
-  (never raises) when it cannot place bytes.
-* :mod:`~ray_velo.memory.region` registers memory the caller owns, with in-flight anchors, a
-  copy gate and the drain-then-unmap release of :class:`RegionGuard`.
-
-Nothing here imports Ray or UCX; the UCX backend plugs in as a :class:`Registrar`.
-"""
+"""Staging memory: shared-memory arenas, the registered arena pool and caller-owned regions. No
+Ray, no UCX: the UCX backend plugs in as a :class:`Registrar` (docs/architecture.md §2)."""
 
 from __future__ import annotations
 

@@ -11,24 +11,21 @@ Free nodes also sit in one of 256 *bins*, doubly linked lists keyed by a tiny fl
 mantissa, 5-bit exponent, like TLSF): the bin of a size is its float rounded *down*, so every
 node in bin ``b`` holds at least ``_BIN_SIZES[b]`` granules.
 
-``allocate(n)`` rounds ``n`` *up* to its bin, looks for the first non-empty bin at or above it
-with two bit scans (a 32-bit top mask says which leaf masks are non-zero; each 8-bit leaf mask
-says which bins are non-empty), pops that bin's head, reserves exactly the bin's size and puts
-the remainder back into the bins as a new node. Any node found that way is big enough, so no
-list is ever walked. Reserving the rounded size (not ``n``) is what bounds the waste: a float
-with a 3-bit mantissa over-states a size by less than 1/8, and reserved blocks then come in the
-same few sizes, which keeps the free remainders reusable.
+``allocate(n)`` rounds ``n`` *up* to its bin, finds the first non-empty bin at or above it with
+two bit scans (a 32-bit top mask over 8-bit leaf masks), pops that bin's head, reserves exactly
+the bin's size and puts the remainder back into the bins as a new node: no list is ever
+walked. Reserving the rounded size (not ``n``) is what bounds the waste: a float with a 3-bit
+mantissa over-states a size by less than 1/8, and reserved blocks then come in the same few
+sizes, which keeps the free remainders reusable.
 
-``free`` marks the node free and merges it with free physical neighbours at once, so two free
-nodes are never adjacent. Hence free nodes number at most live allocations + 1, and a node pool
-of ``min(size, 2 * max_allocs + 1)`` entries can never run dry: a fragmented arena that has room
-never reports full for want of a node. The pool is materialised on demand (lists grow to the
-peak number of nodes in use), because a 64 GiB arena is 16 Mi granules and seven eagerly built
-lists of that length would cost about 1 GB of Python objects.
+``free`` merges the node with free physical neighbours at once, so two free nodes are never
+adjacent. Hence free nodes number at most live allocations + 1, and a node pool of
+``min(size, 2 * max_allocs + 1)`` entries can never run dry: a fragmented arena that has room
+never reports full for want of a node. The pool is materialised on demand, because a 64 GiB
+arena is 16 Mi granules and seven eagerly built lists of that length would cost about 1 GB.
 
-Node fields live in parallel Python lists indexed by node number, and the hot paths bind them
-to locals, because attribute and dataclass access dominate in CPython; :class:`Allocation` is
-only the token handed to the caller.
+Node fields live in parallel Python lists indexed by node number, bound to locals on the hot
+paths (attribute access dominates in CPython); :class:`Allocation` is only the caller's token.
 """
 
 from __future__ import annotations

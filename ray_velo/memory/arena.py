@@ -1,21 +1,5 @@
-"""Shared-memory arenas: page-aligned files in a tmpfs directory, mapped read-write and shared.
-
-An arena is a file, not anonymous memory, so that the other processes of a node (Ray tasks)
-can map the same bytes: a producer writes its payload straight into a granule range and a
-consumer reads a zero-copy view. The owner agent creates arenas with :class:`ShmArena`; every
-other process maps them by path through a :class:`SegmentMap`. A new agent removes the
-segments of a crashed one with :func:`remove_stale_segments`.
-
-Names are ``ray_velo-<pid>-<owner_tag as 16 hex digits>-<seq>``: the pid lets a successor tell
-a dead owner's files from a live one's, the owner tag (the agent's 64-bit worker id) keeps two
-incarnations apart, and ``seq`` counts arenas within the process.
-
-Memory is committed when the arena is created. ``ftruncate`` on tmpfs reserves nothing: the
-first touch of a page past the tmpfs limit is a SIGBUS in whichever process touches it, maybe a
-Ray task long after the arena was handed out. So creation checks ``statvfs`` first, then
-reserves every page (``posix_fallocate``, or ``MADV_POPULATE_WRITE`` when pre-faulting) and maps
-a failure to :class:`~ray_velo.errors.SharedMemoryTooSmall`.
-"""
+"""Shared-memory arenas: page-aligned files in a tmpfs directory, every page committed up front,
+that the node's processes map by path (docs/deployment.md §2)."""
 
 from __future__ import annotations
 
@@ -141,9 +125,9 @@ def _map_new_segment(directory: str, path: str, size: int, prefault: bool) -> mm
 class ShmArena:
     """One page-aligned shared-memory segment owned by this process.
 
-    The file is created with ``O_EXCL`` and mode 0600, sized, reserved (see the module
-    docstring), mapped ``MAP_SHARED`` read-write and advised ``MADV_HUGEPAGE`` (ignored where
-    the kernel refuses). Not thread-safe for ``close``; the pool serialises it.
+    The file is created with ``O_EXCL`` and mode 0600, sized, reserved (docs/architecture.md
+    §14), mapped ``MAP_SHARED`` read-write and advised ``MADV_HUGEPAGE`` (ignored where the
+    kernel refuses). Not thread-safe for ``close``; the pool serialises it.
 
     Closing with exported views: :meth:`close` *defers* the munmap, it does not refuse. The
     file is unlinked at once (no new process can map it); the mapping goes away when the last

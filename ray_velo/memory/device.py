@@ -1,27 +1,5 @@
-"""GPU arenas: one device-memory arena per GPU, allocated once, registered once, carved.
-
-Theory of operation (issue 16, docs/gpu.md). Device memory is the host arenas' problem made
-worse: ``cudaMalloc`` synchronises the device, registering it with UCX (a cuda_ipc handle, a
-GPUDirect memory region) costs time linear in its size, and nothing caches either. So a
-:class:`DeviceArenaPool` allocates one arena of ``arena_bytes`` on its GPU when it opens,
-registers it with ``ucp_mem_map`` as CUDA memory (the registrar says the memory type, UCX
-does not detect it), and hands out 4 KiB granule ranges of it with the same
-:class:`~ray_velo.memory.allocator.OffsetAllocator` as the host arenas. It never grows: a
-request that does not fit (or a pool that could not open) returns a :class:`DeviceFallback`,
-and the payload is staged through host memory instead, counted with the fallback's reason
-(``velo_device_staged{reason}``).
-
-Device bytes are charged to a :class:`~ray_velo.memory.pool.RegistrationBudget` of their own,
-one per GPU, never to the host budget: pinning host pages and holding GPU memory are
-different scarcities. Teardown follows the host pool's order: unregister (confirmed) first,
-then free the device memory, then release the budget; an unregister that fails leaves the
-arena allocated and charged on purpose (a leak is the safe failure).
-
-Where the memory comes from is injected (:class:`DeviceAllocator`): :class:`TorchCudaAllocator`
-allocates through torch's CUDA allocator and imports torch only when built (so a host without
-a GPU never loads CUDA), and ``ray_velo.testing.device.FakeDeviceAllocator`` hands out host
-memory labelled CUDA, so everything here is tested without a GPU.
-"""
+"""GPU arenas: one device-memory arena per GPU, allocated and registered once, carved in granules
+(docs/gpu.md, "GPU arenas")."""
 
 from __future__ import annotations
 

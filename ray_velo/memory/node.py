@@ -1,12 +1,5 @@
-"""A node agent's memory: the registered pool, the plain pool, and the budget they share.
-
-:class:`NodeMemory` decides where bytes go (registered memory when asked and possible, plain
-memory otherwise, never failing for lack of registered memory: the protocol's
-``register_data_pinned``, docs/protocol.md §9), gives them back, and keeps the registration
-metrics equal to the budget's own count. It is thread-safe through the pools' own locks, so
-a mapping never holds the agent's state lock. Who holds each buffer meanwhile is the owner
-state's ledger (:mod:`ray_velo.owner.ledger`), not this module's business.
-"""
+"""A node agent's memory: the registered pool, the plain pool and their budget; it decides where
+bytes go, never failing for lack of registered memory (docs/protocol.md §9)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,5 @@
-"""The arena pool: a few large shared-memory arenas, registered once, suballocated in granules.
-
-Theory of operation (docs/protocol.md §10). Registering memory with UCX costs time
-linear in its size and UCX caches nothing, so the pool registers a few large arenas up front
-and hands out 4 KiB granule ranges of them with :class:`~ray_velo.memory.allocator.OffsetAllocator`.
-The first arena is ``initial_arena_bytes``; each later one doubles the newest, up to
-``max_arena_bytes`` (and always large enough for the request that maps it). A request of
-``dedicated_arena_min`` or more gets an arena of its own, unmapped as soon as it is freed.
-Every mapped byte is charged, in whole pages, to a :class:`RegistrationBudget` shared with
-external regions; over the budget, and for any other shortage, :meth:`ArenaPool.allocate`
-returns a :class:`Fallback` saying why instead of raising (pinned staging then uses plain
-memory). Empty pooled arenas are unmapped only by :meth:`ArenaPool.reclaim`, and only when
-``arena_reclaim_after`` is set; registrations are never evicted on a timer otherwise.
-
-Pages outlive their registration: every teardown unregisters first (the registrar returns only
-once the unmap is confirmed), then unmaps and unlinks the file, then releases the budget. An
-unregister that fails leaves the arena mapped and charged on purpose (a leak is the safe
-failure), and so does a pool dropped without :meth:`ArenaPool.close`.
-
-The same class serves the agent's plain pool (``register_data``): no registrar, no budget.
-Time is an argument (``now``, seconds), never read here.
-
-Threads: one lock guards the tables and is held only briefly; a second lock serialises
-mapping, registration and unregistration, which run outside the first. So a caller that may
-not map (``may_map=False``, the transparent stager inside a send) never waits behind an
-``ibv_reg_mr`` in another thread.
-"""
+"""The arena pool: a few large shared-memory arenas, registered once and suballocated in
+granules, falling back instead of raising (docs/protocol.md §10, docs/architecture.md §14)."""
 
 from __future__ import annotations
 

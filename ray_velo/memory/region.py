@@ -1,35 +1,5 @@
-"""Caller-owned registered memory: a :class:`Region` on the owner, a :class:`RegionGuard` for the caller.
-
-Theory of operation (docs/protocol.md §9 and §10: regions, ``register_data_in_region``). A
-region is a range ``(address, nbytes)`` that the caller owns and that is registered, whole
-pages, with the backend and charged to the
-:class:`~ray_velo.memory.pool.RegistrationBudget` it shares with the arena pool. Unlike
-pinned staging, registering over the budget is an error
-(:class:`~ray_velo.errors.BudgetExceeded`): the caller asked for this exact memory.
-
-Two things keep the memory safe while it is deregistered:
-
-* **In-flight anchors.** A slot staged in the region holds an :class:`InFlight` from
-  :meth:`Region.enter`. ``unregister`` waits for them (up to its timeout) before it unmaps.
-  ``enter`` takes the count *first* and reads the state second; the reverse order leaves a gap
-  in which the whole latch, drain and unmap sequence runs between the read and the count.
-* **The copy gate.** A chunked read copies out of the region (never hands out a view: a peer
-  with the key may write it at any time) 512 KiB at a time, each piece under the gate. A copy
-  in progress delays the latch; a copy that starts after the latch refuses with
-  :class:`~ray_velo.errors.RegionDeregistered`. After ``DrainTimedOut`` a slot may still hold
-  an anchor, and the gate is what stops its reads.
-
-Deregistration: latch (refuse new anchors and copies), wait for copies in progress, drain the
-anchors (bounded), unregister through the registrar (which returns once the unmap is
-confirmed), release the budget, then fire :meth:`RegionGuard.deregistered`: only then may the
-caller free the memory. An unregistration that cannot be confirmed leaves the region
-registered and the signal unfired on purpose: velo cannot prove the memory was released.
-
-Results are two small frozen classes, :class:`Drained` and :class:`DrainTimedOut` (the
-protocol's two outcomes of an unregister, ``"drained"`` / ``"drain_timed_out"``,
-docs/protocol.md §10); both mean "released".
-``DrainTimedOut`` carries how many anchors were still held, which a log line wants.
-"""
+"""Caller-owned registered memory: a :class:`Region` on the owner, a :class:`RegionGuard` for the
+caller, with in-flight anchors, a copy gate and drain-then-unmap (docs/architecture.md §14)."""
 
 from __future__ import annotations
 

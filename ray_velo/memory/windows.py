@@ -1,22 +1,5 @@
-"""Registered windows: RDMA for bytes in plain memory, with registered bytes still bounded by
-``registered_bytes_budget``.
-
-A payload the budget cannot take whole is staged in plain memory (and a consumer's
-destination of that size is plain too). Its transfer still runs as GETs: each side registers
-one window of it at a time for the time that window moves, and unregisters it after. A
-:class:`WindowSet` is the windows of one buffer for one transfer. It charges the budget once,
-when it opens, for the windows it may hold at once (``depth``; the owner keeps two so the next
-one is ready while the current one moves), and never registers past that charge: however many
-transfers run, registered bytes never exceed the budget. It gives the charge back when it
-closes, after unregistering what is left.
-
-Who owns what: the buffer belongs to whoever holds it in the owner state's ledger (a slot, a
-fetch's destination); a WindowSet only borrows a range of it, and is always closed before that
-buffer may go back to its pool (the owner's: when the lease it belongs to ends,
-:meth:`ray_velo.core.AgentCore.perform` closes it before it frees anything; the consumer's: as
-soon as its GET returned). A GET that may still write its destination leaves its window set
-registered for good (:meth:`WindowSet.abandon`): UCX keeps the registration it may use.
-"""
+"""Registered windows: RDMA for bytes in plain memory, with registered bytes still bounded by the
+budget (docs/tuning.md "registered windows", docs/architecture.md §14)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
-"""The buffer ledger: who holds each pool buffer an agent handed out, one truth for its whole
-state (docs/architecture.md §4).
-
-Every pool buffer the agent has handed out is in the ledger under exactly one holder, and
-moves between holders only through :class:`BufferLedger`:
-
-    reservation:<rid>   a producer writes it (rv.put, a SendBuffer, or a PinnedWriter,
-                        which a fetch may fill); the process's side: ray_velo/writable.py
-    slot:<id>           a staged slot's bytes
-    parked:<id>         a freed slot's bytes, waiting for a copy out of them to end
-    grace:<id>          a freed slot's bytes, waiting out the pull grace
-    demoted:<id>        shutdown moved the slot to plain memory; its registered bytes wait
-                        for the GETs admitted before the gate
-    quarantine          memory a timed-out GET may still write: never given back
-    fetch:<id>          the destination of a fetch (or a copy) in progress
-    relayed:<id>        a failed fetch's bytes, waiting for the other nodes reading them
-
-The owner's state (:mod:`ray_velo.owner.state`) holds the first six kinds, the node's
-consumer-side state (:mod:`ray_velo.consumer.state`) the last two; a buffer crosses from one
-to the other only by :meth:`BufferLedger.move`, which checks who held it. A buffer leaves the
-ledger only to go back to its pool (``Effects.free``), once: a second give-back, or a move
-from the wrong holder, raises before the double free happens. Each side's ``validate()``
-rebuilds its part of the ledger from its own tables and compares (:meth:`BufferLedger.check`).
-Pure: no I/O, no clock.
-"""
+"""The buffer ledger: the one holder of each pool buffer an agent handed out, moved only by
+checked transitions (docs/architecture.md §4). Pure: no I/O, no clock."""
 
 from __future__ import annotations
 
@@ -158,7 +135,7 @@ class BufferLedger:
         return set(self._holders)
 
 
-#: Every kind of holder (the module docstring's table).
+#: Every kind of holder (docs/architecture.md §4).
 _KINDS = frozenset(
     ("reservation", "slot", "parked", "grace", "demoted", "quarantine", "fetch", "relayed")
 )

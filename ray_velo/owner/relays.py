@@ -1,15 +1,5 @@
-"""Copies of one payload on other nodes, from both sides: the owner's list of the copies it
-may hand out (:class:`CopySources`), and a copy's record on the node that fills it
-(:class:`Relay`). Pure bookkeeping, no I/O, no clock; the buffers stay in
-:class:`~ray_velo.owner.state.OwnerState`'s ledger.
-
-A broadcast to K nodes would cost the owner's link K times. Instead the owner points each
-new consumer at a copy another consumer is filling (the one read by the fewest, so K
-consumers that arrive together form a chain: a -> b -> c), and that consumer reads the copy
-as it fills, piece by piece, so every link carries the bytes once and at the same time. The
-owner's lease on its own slot stays the consumer's throughout: whatever a copy cannot give
-(its node died, its fetch failed), the consumer GETs from the owner.
-"""
+"""Copies of one payload on other nodes: the owner's list of copies it may hand out
+(:class:`CopySources`) and a copy's record where it fills (:class:`Relay`). Pure bookkeeping."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Producers' reservations: memory a process on this node writes before it becomes a slot.
-
-A reservation holds a pool buffer (``reservation:<rid>`` in the
-:mod:`buffer ledger <ray_velo.owner.ledger>`) for one producing process from ``reserve`` until
-``commit`` turns it into a slot of the owner state, or ``abort`` gives it back. A PinnedWriter
-is a reservation that is never committed: fetches fill it (``fill_begin`` / ``fill_end``) and
-its writer aborts it; a timed-out GET that may still write it sends it to the quarantine. The
-process's side of it is ray_velo/writable.py. Pure: no I/O, no clock; changed under the
-agent's lock like the owner state it stages into.
-"""
+"""Producers' reservations: memory a process on this node writes before it becomes a slot, and
+PinnedWriters (docs/architecture.md §4). Pure: changed under the agent's lock."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The owner's handlers: decode, change the state under the lock, act outside it, encode.
-
-``_rv_metadata``, ``_rv_acquire``, ``_rv_pull``, ``_rv_ref``, ``_rv_detach``, ``_rv_release`` and
-``_rv_lease_renew`` of the protocol (docs/protocol.md §5), and ``_rv_window`` (windows of a plain slot,
-:mod:`ray_velo.memory.windows`), as methods of :class:`OwnerService`. Each decodes its message,
-waits for a commit still on its way, makes one change to the owner state under the agent's
-lock and returns; buffers freed by the change go back to their pools after the lock is released
-(:meth:`~ray_velo.core.AgentCore.changing`).
-"""
+"""The owner's handlers: decode, change the state under the lock, act outside it, encode
+(docs/protocol.md §5, docs/architecture.md §6)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""The owner's state: an agent's slots, the leases on them, and the buffers under them.
-
-Theory of operation. :class:`OwnerState` holds the slot table (:class:`~ray_velo.store.SlotStore`)
-and what the owner keeps beside it: the read gate (copies out of a slot in progress), the pull
-grace, the registered bytes of slots shutdown demoted, the processes whose death ends their
-handles, and the owner's record of the copies of its handles on other nodes. It does no I/O,
-starts no thread and reads no clock: every call takes ``now`` where time matters and adds what
-the caller must do to an :class:`~ray_velo.owner.ledger.Effects` (give these buffers back to
-their pool, release those region anchors, look at the timers again). The agent calls it under
-one short lock and performs the effects outside it (docs/architecture.md §4).
-
-Every buffer under a slot is in the :mod:`buffer ledger <ray_velo.owner.ledger>`, shared with
-the producers' reservations (:mod:`ray_velo.owner.reservations`) and the node's consumer-side
-state (:mod:`ray_velo.consumer.state`), which stage into this state through :meth:`stage` and
-hear of its slots through a :class:`SlotWatcher`. Nothing else touches the store.
-"""
+"""The owner's state: an agent's slots, the leases on them, and the buffers under them; pure, the
+only user of the slot table (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
-"""The owner's short handlers served over TCP to other nodes' agents (frames:
-:mod:`ray_velo.protocol.frames`).
-
-No handler runs for a peer that has not proved it holds the cluster's secret: every connection
-first runs :meth:`~ray_velo.wire_auth.WireAuth.accept` (TLS too, where Ray uses TLS), bounded
-by :data:`~ray_velo.wire_auth.HANDSHAKE_TIMEOUT_S`; a peer that fails it, or says nothing, is
-closed with nothing read past its handshake. At most :data:`MAX_PENDING_HANDSHAKES`
-handshakes wait at once: a new connection beyond that drops the oldest one still waiting, so a
-flood of silent connections costs a real peer (whose handshake takes a round trip) nothing.
-
-Each request then runs as its own task, so a slow one (waiting for a commit, on a thread)
-never holds up the others on the connection; answers go back in the order they finish,
-matched by call id. The listening address is published in Ray's KV under the agent's worker
-id, which a consumer reads once per owner: an owner without it (the wire turned off, or one
-that could not load Ray's TLS files) is called with Ray calls.
-"""
+"""The owner's short handlers served over TCP to other nodes' agents, each connection
+authenticated first (docs/architecture.md §13)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The pure protocol core: handles, control messages and their codec, the RDMA descriptor,
-the owner's path decision and the consumer's offer rule.
-
-Nothing in this package performs I/O, reads the clock, or imports Ray or UCX (a test proves
-it): time and facts are arguments, decisions are return values.
-"""
+"""The pure protocol core: no I/O, no clock, no Ray, no UCX (a test proves it); time and facts
+are arguments, decisions are return values."""
 
 from ray_velo.protocol.descriptor import (
     BACKEND_UCX,

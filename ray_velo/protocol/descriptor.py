@@ -1,14 +1,5 @@
-"""The RDMA descriptor: the owner-authored binary blob an ``Rdma`` acquire answer carries.
-
-Byte-exact to the protocol (docs/protocol.md §14)::
-
-    backend u8 (1 = ucx) | version u8 (1) | flags u8 (0) | generation u64le |
-    addr u64le | len u64le | rkey_len u16le | rkey [rkey_len]
-
-The header is 29 bytes, then exactly ``rkey_len`` key bytes, then nothing. The packed key
-goes to ``ucp_ep_rkey_unpack``, which takes no length, so decoding accounts for every byte
-and refuses anything else with :class:`DescriptorError`, and nothing else, for any input.
-"""
+"""The RDMA descriptor, byte-exact to docs/protocol.md §14: a decoder that accounts for every byte
+and raises :class:`DescriptorError`, and nothing else, for any input."""
 
 from __future__ import annotations
 

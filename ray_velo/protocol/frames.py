@@ -1,17 +1,5 @@
-"""Frames of the owner handlers over a byte stream (the agents' TCP control plane).
-
-The protocol's control plane is ordinary calls, so any transport carries it (docs/protocol.md
-§4). Agents carry the short handlers (:data:`WIRE_METHODS`) between them over TCP, where a
-Ray actor call costs several times a socket's round trip; the messages are the same bytes
-either way.
-
-A request is ``[u32 length][u8 method][u64 call id][message]``; call id 0 asks for no answer
-(lease ends, renewals). An answer is ``[u32 length][u8 status][u64 call id][body]``: status 0
-and the handler's return value in msgpack, or status 1 and the error, a map of its class
-name, message and fields, rebuilt here only as a :class:`~ray_velo.errors.VeloError` class
-(never anything a peer names outside that tree). Pure: no I/O; a decoder raises only
-:class:`~ray_velo.errors.ProtocolError`.
-"""
+"""Frames of the owner handlers over a byte stream, the agents' TCP control plane
+(docs/architecture.md §13). Pure: a decoder raises only ``ProtocolError``."""
 
 from __future__ import annotations
 

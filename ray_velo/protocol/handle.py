@@ -1,9 +1,4 @@
-"""DataHandle: the compact name of a staged payload.
-
-A handle is a u128: the owner agent's 64-bit worker id in the upper half and a slot id in the
-lower half. MessagePack has no clean u128, so the wire form is ``{"hi": ..., "lo": ...}``.
-A restarted agent draws a new random worker id, so it never answers for a dead one's handles.
-"""
+"""DataHandle: the compact name of a staged payload (docs/protocol.md §2)."""
 
 from __future__ import annotations
 

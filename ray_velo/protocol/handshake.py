@@ -1,32 +1,5 @@
-"""The agents' TCP wire handshake: both ends prove they hold the cluster's secret.
-
-Theory of operation. Every agent of a cluster reads one 32-byte secret from Ray's internal KV,
-which only processes Ray admitted can read (Ray's token guards it). Before any frame of
-:mod:`ray_velo.protocol.frames` is read, the two ends of a connection run a challenge and
-response over both sides' fresh nonces; the secret never crosses the wire::
-
-    consumer -> owner   HELLO      magic | client nonce                      (36 bytes)
-    owner -> consumer   CHALLENGE  magic | server nonce | server proof       (68 bytes)
-    consumer -> owner   PROOF      client proof                              (32 bytes)
-    owner -> consumer   ACCEPTED   magic                                     (4 bytes)
-
-    server proof = HMAC-SHA256(secret, "ray_velo wire v1 server" | client nonce | server nonce)
-    client proof = HMAC-SHA256(secret, "ray_velo wire v1 client" | client nonce | server nonce)
-
-Rules, and the attack each one stops:
-
-* The owner proves first, over the consumer's fresh nonce: a consumer never sends a frame to
-  (nor trusts an answer of) a peer that does not hold the secret: a fake owner.
-* The consumer proves over the owner's fresh nonce: a recorded transcript replayed to the
-  owner fails, since the owner's nonce is new on every connection.
-* The two proofs carry different labels: a peer cannot reflect the owner's proof back as its
-  own.
-* Proofs are compared with :func:`hmac.compare_digest` (no timing oracle).
-
-Pure: the nonces are arguments and the messages are fixed-length bytes, so the I/O layer
-(:mod:`ray_velo.wire_auth`) reads exact sizes and the only error here is
-:class:`~ray_velo.errors.WireAuthError`, for any bytes at all.
-"""
+"""The bytes of the agents' TCP wire handshake, by which both ends prove they hold the cluster's
+secret; pure, raising only ``WireAuthError`` (docs/architecture.md §13)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Ids that are capabilities: unpredictable from each other, and never repeated.
-
-A handle's slot id (and a lease id) names bytes to whoever holds it, so knowing one must give
-no other. A counter gives the neighbours away (slot 1, 2, 3...); random draws may repeat. An
-:class:`IdSequence` is both: the n-th id is a keyed pseudo-random permutation of n, so no two
-ids of one sequence are ever equal (a permutation is one to one) and without the key they
-look like independent random 64-bit values. The permutation is a four-round Feistel network
-on the two 32-bit halves, with keyed BLAKE2b as its round function (Luby and Rackoff: four
-rounds of a pseudo-random function give a strong pseudo-random permutation).
-
-Pure: the key is an argument (an agent draws it at start, with ``secrets``); no I/O.
-"""
+"""Ids that are capabilities: unpredictable from each other, and never repeated
+(docs/architecture.md §1). Pure: the key is an argument."""
 
 from __future__ import annotations
 

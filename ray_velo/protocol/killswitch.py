@@ -1,9 +1,4 @@
-"""The RDMA kill switch: ``VELO_RDMA_RENDEZVOUS_DISABLE``.
-
-Read once by whoever builds an agent, so one process never answers half its acquires one way
-and half the other. Only 1, true, yes and on (any case) engage it; any other value leaves the
-RDMA path on (a typo costs performance, and shows in the path metric).
-"""
+"""The RDMA kill switch: ``VELO_RDMA_RENDEZVOUS_DISABLE`` (docs/protocol.md §15)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Memory types: where a payload's bytes live (host or a CUDA device), as UCX numbers them.
-
-UCX writes the memory type of registered memory into every packed key (one byte after the
-md_map, ``ucs_memory_type_t``), and ``ucp_mem_map`` takes it as a parameter. This library
-moves host memory and CUDA memory (device and managed); every other type UCX knows (ROCm,
-Level Zero, Gaudi, RDMA) is refused, and so is any number UCX does not know, because a bad
-memory-type byte crashes ``ucp_ep_rkey_unpack`` (research/ucx.md §6).
-
-The torch device of a payload (``TypeHeader.device``: ``"cpu"`` or ``"cuda"``) maps to a memory
-type here too, so the payload layer, the pre-parse and the registrar share one table. Pure:
-imports nothing but the standard library.
-"""
+"""Memory types (host or CUDA) as UCX numbers them, and the torch device of each, in one table
+for the payload layer, the rkey pre-parse and the registrar (docs/gpu.md). Pure."""
 
 from __future__ import annotations
 

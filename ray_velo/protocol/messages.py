@@ -1,28 +1,5 @@
-"""Control messages of the seven handlers (docs/protocol.md §5), and their msgpack codec.
-
-Version-skew rule (docs/protocol.md §4): every field has a default, and every default means
-what the protocol did before the field existed (no offer, no deadline, no budget). Decoding
-ignores unknown fields and fills missing ones with their defaults, so old and new peers
-interoperate. A handle travels as ``{hi, lo}``.
-
-Handlers: ``_rv_metadata`` (MetadataRequest -> MetadataResponse), ``_rv_acquire``
-(AcquireRequest -> Ready | Rdma), ``_rv_pull`` (PullRequest -> raw chunk bytes), ``_rv_ref``,
-``_rv_detach``, ``_rv_release`` and ``_rv_lease_renew`` (-> empty answer or an error).
-
-Copies and relays (not in the protocol, docs/protocol.md §19; every field defaults to the
-protocol's behaviour): a consumer that keeps node-local copies says so in its acquire
-(``copies``); the owner then asks it to keep its copy until the handle ends
-(``Rdma.announce``), and may point a later consumer at that copy (``Rdma.relay_*``), which
-it reads as it fills with ``_rv_relay`` (RelayRequest -> RelayProgress) on the copy's agent
-and ends with ``_rv_relay_end``. ``_rv_copy`` (CopyNotice) says a copy is gone, or (from the
-owner) that the handle ended.
-
-Windows (not in the protocol; the defaults are the protocol's behaviour): a consumer that can
-GET a payload one registered window at a time says so in its offer (``RdmaOffer.windows``);
-an owner whose slot is in plain memory may then answer RDMA with ``Rdma.window_bytes`` and no
-descriptor, and the consumer asks for each window's descriptor with ``_rv_window``
-(WindowRequest -> WindowAnswer), saying which window it finished.
-"""
+"""Control messages of the owner's handlers and their msgpack codec, under the version-skew rule
+(docs/protocol.md §4, §5, §19)."""
 
 from __future__ import annotations
 

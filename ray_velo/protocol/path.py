@@ -1,7 +1,5 @@
-"""Which path a transfer takes: the owner's eight checks and the consumer's offer.
-
-The owner answers RDMA only if every check passes, in the protocol's order (docs/protocol.md
-§7); the first refusal names the reason label recorded in
+"""Which path a transfer takes: the owner's eight checks and the consumer's offer rule
+(docs/protocol.md §7, §8). The first refusal names the label counted in
 ``velo_rendezvous_rdma_path_total{path="chunked"}``:
 
 ====  ===============================================================  ===============
@@ -18,15 +16,8 @@ The owner answers RDMA only if every check passes, in the protocol's order (docs
  8    the staging still exists and the descriptor encodes              not_pinned
 ====  ===============================================================  ===============
 
-Check 8 builds the descriptor, so it is a callable the owner passes in; everything else is
-a plain fact.
-
-Windows (not in the protocol, docs/protocol.md §19): a slot in plain memory passes check 4
-when the consumer offered windows (``OwnerFacts.windowed``); check 8 then opens its window set
-(a second callable, which charges the budget for the windows) instead of building a
-descriptor, and refuses with ``not_pinned`` when the budget cannot take them: a payload that
-gets no registered memory at all still falls back, counted. The consumer's offer comes from
-three local facts and asks the owner nothing (docs/protocol.md §8).
+Check 8 builds the descriptor (or, for a windowed plain slot, opens its windows), so it is a
+callable the owner passes in; everything else is a plain fact.
 """
 
 from __future__ import annotations

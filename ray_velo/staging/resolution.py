@@ -1,14 +1,5 @@
-"""Staging a call's payloads, and resolving them on the other side.
-
-* :func:`stage_tree` replaces every payload above the threshold by a :class:`StagedValue`.
-* A :class:`Resolution` fetches every StagedValue of a call's arguments before its body runs.
-  A decorated callee *claims* each value at its owner (``consumers=N`` then allows exactly N
-  resolutions, however many race, on any node) and ends the claims once the body is done:
-  consumed, or given back when Ray will retry the task. A claim whose process dies goes back
-  too (Ray retries system failures).
-* :func:`resolve` (the driver, undecorated code) consumes at once; :func:`resolve_stream`
-  resolves a streaming generator's items as they arrive.
-"""
+"""Staging a call's payloads, and resolving them on the other side under claims that make
+``consumers=N`` exact (docs/transfer.md §3, §4)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Staged values and the one walk over a call's arguments and results.
-
-A payload above the threshold travels as a :class:`StagedValue` in place of the value (the
-protocol's ``_rv`` and ``_rv_budget_ms``, docs/protocol.md §12); :func:`walk` visits every
-leaf of the containers Ray calls carry (lists, tuples, namedtuples, dicts) and rebuilds them
-with each leaf replaced. Staging, resolving and discarding are that one walk with a
-different leaf function.
-"""
+"""Staged values and the one walk over a call's arguments and results; staging, resolving and
+discarding are that walk with different leaf functions (docs/transfer.md §1)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""``@ray_velo.transfer``: the wrappers that stage a Ray call's large payloads.
-
-Stack it above ``@ray.remote`` on a function, a generator or an actor class::
-
-    @ray_velo.transfer                       # or @ray_velo.transfer(threshold_bytes=..., ...)
-    @ray.remote
-    def step(batch: np.ndarray) -> np.ndarray: ...
-
-The caller's side stages arguments above the threshold (:func:`stage_tree`); the callee's
-body resolves them first and stages its results. See :mod:`ray_velo.staging.resolution` for the
-claims that make ``consumers=N`` exact, and :mod:`ray_velo.staging` for the whole mapping of
-the protocol's transparent staging (docs/protocol.md §12) onto Ray.
-"""
+"""``@ray_velo.transfer``: the wrappers that stage a Ray call's large payloads and resolve them
+before the body runs (docs/transfer.md)."""
 
 from __future__ import annotations
 
@@ -381,7 +370,7 @@ def transfer(
     ``@ray.remote`` class too: the method resolves staged arguments and stages its results
     (arguments are staged at the caller only through a decorated class's handles). Async
     functions, async actor methods and async generators are supported (fetching and staging
-    run off the event loop). See the module docstring for the semantics.
+    run off the event loop). The semantics: docs/transfer.md.
 
     What it stages ends with the Ray job that staged it (the caller's for arguments, the
     callee's for results); ``lifetime="detached"`` keeps it past that job until it is

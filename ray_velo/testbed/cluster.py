@@ -1,16 +1,5 @@
-"""A real Ray cluster across emulated hosts: ``ray start`` in each network namespace.
-
-:class:`Testbed` builds a :class:`~ray_velo.testbed.netns.Network`, starts a Ray head in the
-first host and a worker node in each other one with the documented CLI (``ray start``), each
-with a custom resource naming its host (``host_a``, ``host_b``, ...), and tells UCX to use TCP
-on the hosts' link: the namespaces share one kernel, so UCX would otherwise pick shared memory
-or CMA, a path no two real hosts have.
-
-Drivers run inside a host (``ip netns exec``): :meth:`Testbed.run` starts one, and the driver
-calls :func:`connect` to join the cluster. Teardown ends every process inside the namespaces by
-pid (never ``ray stop``, which ends every Ray process on the machine), removes the shared-memory
-segments those processes left, the namespaces and the cluster's temp dir.
-"""
+"""A real Ray cluster across emulated hosts: ``ray start`` in each network namespace, UCX over TCP
+on their links, everything ended by pid (docs/benchmarks.md, "The testbed")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,5 @@
-"""Network namespaces joined by shaped veth links: the "hosts" of an emulated cluster.
-
-Two real hosts have a network between them; two Ray nodes on one machine have shared memory
-and CMA, which UCX happily uses. A :class:`Network` gives each emulated host its own network
-namespace with one interface, ``veth0``, at ``10.213.0.<n>``:
-
-* two hosts: one veth pair between them (the link of the issue's measurements);
-* more hosts: a star, every host's veth joined to a bridge in a "switch" namespace.
-
-A link rate (``"10gbit"``) puts a ``tbf`` qdisc on every egress of every link, so each host
-sends and receives at that rate at most. Nothing here has a route out of these namespaces:
-every address used lives inside them.
-
-Namespaces are named ``rvtb-<creator pid>-<seq>-<role>``. A run that was killed leaves its
-namespaces behind; :func:`remove_stale_networks` ends the processes inside them (they are
-the dead run's, nobody else can be in them) and deletes them. Processes are always ended by
-pid, never by name.
-"""
+"""Network namespaces joined by shaped veth links: the "hosts" of an emulated cluster
+(docs/benchmarks.md, "The testbed")."""
 
 from __future__ import annotations
 

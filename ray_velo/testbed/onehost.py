@@ -1,14 +1,5 @@
-"""Two ``ray start`` nodes on this host, for where network namespaces cannot be made.
-
-The same documented cluster path as :class:`~ray_velo.testbed.Testbed` (a head started with
-``ray start --head``, a worker node with ``ray start --address``), without root: both nodes
-listen on 127.0.0.1 with ports of their own. UCX then moves bytes through shared memory or
-CMA, not a network, so this is a cluster test, not a cross-host one.
-
-``ray start`` daemonizes, so the processes it started are found by the cluster's own temp
-directory, which every one of them (GCS, raylets, workers, agents) names on its command
-line; teardown ends exactly those, by pid, and removes the segments they left.
-"""
+"""Two ``ray start`` nodes on this host, for where network namespaces cannot be made: a cluster
+test without root, not a cross-host one (UCX uses shared memory or CMA)."""
 
 from __future__ import annotations
 

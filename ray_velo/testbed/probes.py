@@ -1,19 +1,5 @@
-"""The link's ceilings: a plain TCP socket and a bare UCX GET between two testbed hosts.
-
-Each probe is a pair of processes, one per host, started inside the hosts' namespaces; the
-parent passes what one needs from the other through their pipes (never the network), so a
-probe measures the link and nothing else. Run as ``python -m ray_velo.testbed.probes ROLE``.
-
-* ``raw_tcp``: host ``src`` sends ``nbytes`` over one TCP socket per repetition to ``dst``,
-  which times from its "go" byte to the last byte received.
-* ``raw_ucx_get``: host ``dst`` GETs ``nbytes`` from a registered ``/dev/shm`` segment on
-  ``src`` into its own (what the agents do), with the same UCX settings they get.
-
-Both move ``nbytes`` through buffers of at most :data:`BUFFER_MAX` bytes (the UCX probe: one
-GET per 256 MiB, back to back), so a probe of a 3 GiB payload can run between two bench rounds
-beside a cluster that holds the payload several times over (with 1 GiB buffers Ray's memory
-monitor killed a bench actor); a round trip per 256 MiB (~0.2 s of a 10 Gbit/s link) is noise.
-"""
+"""The link's ceilings: a plain TCP socket and a bare UCX GET between two testbed hosts; run as
+``python -m ray_velo.testbed.probes ROLE``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Ray's security settings for the clusters the testbed builds: token auth and TLS.
-
-Ray turns token authentication on by default (local clusters from 2.59, every cluster from
-2.61), so every testbed runs with it unless told otherwise: a fresh token per testbed, given
-to every node and driver it starts (:func:`auth_env`). With ``tls=True`` each host also gets
-a certificate of a throwaway CA made for that testbed (:func:`make_tls_files`), as Ray's
-``RAY_USE_TLS`` wants: the key never leaves the testbed's temp dir.
-"""
+"""Ray's security settings for the testbed's clusters: a fresh auth token per testbed and, with
+``tls=True``, certificates of a throwaway CA (docs/deployment.md §8)."""
 
 from __future__ import annotations
 

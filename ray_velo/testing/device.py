@@ -1,12 +1,5 @@
-"""Fake GPU memory for tests without a GPU: host memory labelled CUDA, and a registrar that
-keeps the books of what it "mapped" and with which memory type.
-
-Built for :class:`ray_velo.memory.device.DeviceArenaPool`; a test can run the GPU arena pool's
-whole life (open, carve, free, close, every fallback) on a laptop::
-
-    from ray_velo.testing.device import FakeDeviceAllocator, FakeDeviceRegistrar
-    arenas = GpuArenas(FakeDeviceAllocator(devices=2), FakeDeviceRegistrar(), 64 << 20, 1 << 30)
-"""
+"""Fake GPU memory for tests without a GPU, for :class:`~ray_velo.memory.device.DeviceArenaPool`:
+host memory labelled CUDA, and a registrar that records what it "mapped" and as which type."""
 
 from __future__ import annotations
 

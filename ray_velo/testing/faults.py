@@ -1,21 +1,5 @@
-"""Faults for the fault tests, injected around an agent's real parts, never inside them.
-
-:func:`inject` arms a fault on a live agent (the ``inject_fault`` entry point calls it, so a Ray
-test reaches an agent in its actor). Each fault is a wrapper installed once around the part
-that meets it in the real world:
-
-* the RDMA backend (:class:`FaultyRdma` around UCX or :class:`~ray_velo.testing.FakeRdma`):
-  ``corrupt_descriptors`` (the next N descriptors the owner hands out carry a trailing byte:
-  decode must refuse them), ``stall_before_get_s`` (each fetch's first GET waits this long,
-  its lease renewed meanwhile, as a slow GET would), ``fail_gets`` (the next N GETs fail as a
-  broken transport's would), ``copy_piece_pause_s`` (as a copy other nodes read fills piece
-  by piece, each piece after the first waits this long, the ones before it landed and
-  readable: a slow link);
-* the owner's handlers (:class:`SlowPulls`): ``slow_pulls_s`` (each chunk is answered this
-  much later: a slow link).
-
-A value of 0 disarms a fault; the wrappers stay (they then pass everything through).
-"""
+"""Faults for the fault tests, wrapped around an agent's real parts (its RDMA backend, its
+handlers), never inside them; armed on a live agent by its ``inject_fault`` entry point."""
 
 from __future__ import annotations
 
@@ -35,7 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FAULTS", "FaultPlan", "FaultyRdma", "SlowPulls", "inject"]
 
-#: Every fault :func:`inject` knows (the module docstring says what each does).
+#: Every fault :func:`inject` knows (docs/architecture.md §12 says what each does).
 FAULTS = (
     "corrupt_descriptors",
     "stall_before_get_s",
@@ -72,7 +56,7 @@ class FaultPlan:
 
 class FaultyRdma:
     """An :class:`~ray_velo.backend.RdmaBackend` that passes every call to ``inner`` but
-    where the plan says otherwise (see the module docstring)."""
+    where the plan says otherwise (docs/architecture.md §12)."""
 
     def __init__(self, inner: RdmaBackend, plan: FaultPlan) -> None:
         self.inner = inner

@@ -1,9 +1,5 @@
-"""ray_velo's binding to UCX (libucp): context, worker, endpoints, registrations, one-sided GET.
-
-Importing this package loads no UCX: the classes live in ``ray_velo.ucx.binding`` and UCX is
-loaded by the first object created (or by :func:`ucx_available`). ``ray_velo.ucx.rkey`` (the
-packed-key pre-parse) and ``ray_velo.ucx.status`` are pure Python.
-"""
+"""ray_velo's binding to UCX (libucp). Importing this package loads no UCX: the first object
+created, or :func:`ucx_available`, does."""
 
 from __future__ import annotations
 

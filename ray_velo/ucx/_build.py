@@ -1,16 +1,5 @@
-"""cffi builder for ``ray_velo.ucx._ucx_binding``, the compiled binding to libucp.
-
-API (out-of-line, compiled) mode on purpose: the C compiler checks every declaration below
-against the UCX headers that the ``libucx`` wheel ships. Structs are declared with ``...;`` so
-offsets and sizes come from the compiler, constants with ``#define X ...`` so their values do,
-and ``ucs_status_t`` (a 1-byte packed enum) is ``int...`` so its size does too.
-research/ucx.md §3 lists the crash-class mistakes this rules out.
-
-Built by setuptools through ``setup.py`` (``cffi_modules``) under ``pip install``; for a build
-in place, run ``python ray_velo/ucx/_build.py`` from anywhere. The extension has
-``DT_NEEDED libucp.so.0`` and no rpath: ``libucx.load_library()`` must run before it is
-imported (``ray_velo.ucx.loader`` does that).
-"""
+"""cffi builder (API mode) for ``ray_velo.ucx._ucx_binding``, the compiled binding to libucp
+(docs/architecture.md §10); ``python ray_velo/ucx/_build.py`` builds it in place."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""The agent's RDMA registry over UCX: registration, descriptors, endpoints and the GET.
-
-One :class:`UcxRdmaBackend` per agent owns a UCX context and two workers, each with its
-evented progress thread: ``worker``, whose address peers connect to and which serves their
-GETs of our memory, and ``get_worker``, which issues our GETs of theirs. Over TCP both sides
-of a GET cost CPU in the worker's progress; an agent that relays a copy serves a GET while
-it issues one, and on one worker the two ran one after the other (a two-node broadcast took
-1.8x one transfer on two cores, 1.45x with the roles apart). It registers the pinned pool's arenas and callers' regions
-(:class:`UcxRegistrar`, which the memory pool calls), authors descriptors for pinned slots,
-keeps an endpoint per peer agent (wired from worker addresses exchanged over Ray calls), and
-runs the consumer's GET. It closes in the protocol's shutdown order (docs/protocol.md §18):
-registrations were unmapped by the pools before :meth:`close`; then remote keys, endpoints,
-the workers, the context.
-
-Peers are keyed by Ray node id. A peer is *registered* once its worker address is known;
-that is the consumer's third offer fact ("UCX is registered for that peer").
-"""
+"""The agent's RDMA registry over UCX: registration, descriptors, endpoints and the GET, on two
+workers (docs/architecture.md §10)."""
 
 from __future__ import annotations
 

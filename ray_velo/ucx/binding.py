@@ -1,38 +1,5 @@
-"""Typed UCX objects with one parent/child lifetime, and the one-sided GET.
-
-Theory of operation
--------------------
-Every UCX object is owned by a Python object with an explicit ``close()``:
-
-    UcxContext ─┬─ MemoryRegistration      (ucp_mem_map; keeps the mapped buffer alive)
-                └─ UcxWorker ── Endpoint ── RemoteKey
-
-A child holds a strong reference to its parent, and a parent to its open children, so a
-parent's UCX object can never be destroyed under a child's. ``close()`` is idempotent and
-closes the open children first: remote keys before their endpoint, endpoints before their
-worker, and, on the context, registrations before workers (the protocol's shutdown order,
-docs/protocol.md §18: regions before endpoints) and everything before ``ucp_cleanup``. An
-object that is never closed is not closed by the garbage collector either: freeing UCX state
-from a finalizer, at an arbitrary point on an arbitrary thread, is the riskier failure, and
-its parent's ``close()`` still releases it.
-
-Threads: the worker runs in ``UCS_THREAD_MODE_MULTI`` (checked with ``ucp_worker_query``), so
-any thread may post a GET while the progress thread runs. The progress thread is a C loop that
-sleeps in ``poll()`` on the worker's event fd when idle; a GET signals the worker after posting
-and then waits in C, without the GIL, progressing the worker itself (a cma GET is copied inside
-the consumer's own ``ucp_worker_progress``; research/ucx.md §7).
-
-Failures never abort the process when they can be turned into an error: endpoints use
-``UCP_ERR_HANDLING_MODE_PEER`` with an error callback written in C, the context forces
-``RNDV_THRESH=inf`` (without it PEER mode silently drops cma), and every packed key from a peer
-is pre-parsed before ``ucp_ep_rkey_unpack`` sees it (``ray_velo.ucx.rkey``). A GET that does
-not finish in time force-closes its endpoint, which completes the request, and raises
-``UcxError`` with ``UCS_ERR_TIMED_OUT``.
-
-All errors are :class:`ray_velo.errors.UcxError` (fields ``operation``, ``status``,
-``status_text``), except a refused packed key, which is ``DescriptorError``, and refused
-context options, which are ``ConfigError``.
-"""
+"""Typed UCX objects with one parent/child lifetime, closed children first, and the one-sided
+GET (docs/architecture.md §10)."""
 
 from __future__ import annotations
 

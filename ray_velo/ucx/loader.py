@@ -1,21 +1,5 @@
-"""Loads UCX and the compiled binding on first use, and says why when it cannot.
-
-Nothing here loads UCX at import time. :func:`ucx_available` is the probe the rest of the
-library calls: UCX is optional at run time (without it the agents use the chunked path).
-
-Which UCX gets loaded is ``libucx.load_library()``'s choice: the libraries in the
-``libucx-cu12`` wheel by default, or a system UCX when ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY``
-is set to anything but ``false`` (it falls back to the wheel when none is found). The wheel
-has no InfiniBand support (built ``--without-verbs``); on an InfiniBand cluster install a
-system UCX >= 1.20 and set that variable. The extension binds by soname (``libucp.so.0``), so
-whichever copy is loaded first serves it.
-
-UCM (memory hook) options are read once, when libucs is loaded: ``ucp_config_modify`` accepts
-``MEM_EVENTS`` and ignores it (measured: libc's mmap/munmap/brk/madvise are patched either
-way). So ``UCX_MEM_EVENTS=n`` is in the environment while the libraries load, unless the caller
-set it, and the environment is restored right after. A libucs that another package loaded
-earlier (ucxx) keeps whatever it was loaded with.
-"""
+"""Loads UCX and the compiled binding on first use, and says why when it cannot
+(docs/deployment.md §3, docs/architecture.md §10)."""
 
 from __future__ import annotations
 
@@ -186,7 +170,7 @@ def load_binding() -> Binding:
 def ucx_available() -> tuple[bool, str]:
     """Whether UCX can be used in this process, and why not (or which version) as text.
 
-    Never raises. Loads UCX on the first call (see the module docstring for which UCX).
+    Never raises. Loads UCX on the first call (which UCX: docs/deployment.md §3).
     """
     try:
         binding = load_binding()

@@ -1,28 +1,5 @@
-"""Framing pre-check of a UCX packed remote key, before any pointer reaches UCX.
-
-``ucp_ep_rkey_unpack(ep, buffer, &rkey)`` takes no length: UCX walks the blob trusting the
-bytes inside it, and a bad memory-type byte crashes the process (research/ucx.md §6). So a
-key from a peer is walked here first, in pure Python, with the same rules as UCX's own parser
-(``ucp_ep_rkey_unpack_internal`` and ``ucp_rkey_unpack_lanes_distance``, UCX >= 1.20, unchanged
-in 1.22), and refused unless every byte UCX will read lies inside the blob.
-
-Layout (all integers little-endian)::
-
-    u64 md_map | u8 mem_type
-    for each set bit of md_map, ascending:  u8 size, then size bytes (one UCT rkey)
-    if md_map != 0:                         u8 sys_dev (0xFF = unknown)
-    if sys_dev != 0xFF:                     3-byte distances {u8 sys_dev, fp8, fp8}...,
-                                            then a 0xFF terminator
-
-Stage 2 (the distance list) runs with an unbounded end in UCX and stops only at a 0xFF byte on
-the 3-byte stride, so the terminator must be inside the blob. This checks framing only: a stale
-key with perfect framing passes. No cffi, no UCX: this module imports the standard library,
-``ray_velo.errors`` and the pure memory-type table only.
-
-Memory types: host, CUDA and CUDA managed memory pass (:data:`SUPPORTED_MEMORY_TYPES`); a
-caller may narrow that (``memory_types``: a consumer that expects host bytes refuses a CUDA
-key). Every other type UCX knows is refused, and so is every byte UCX does not know.
-"""
+"""Framing pre-check of a UCX packed remote key, before any pointer reaches
+``ucp_ep_rkey_unpack`` (the layout: docs/architecture.md §10). Pure Python, no UCX."""
 
 from __future__ import annotations
 

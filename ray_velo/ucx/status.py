@@ -1,9 +1,5 @@
-"""UCX status codes (``ucs_status_t``) as a Python enum, importable without loading UCX.
-
-The values are UCX ABI (``ucs/type/status.h``) and have not changed across 1.x; the loader
-checks the ones it uses against the compiled headers. Callers compare
-``UcxError.status`` with these names instead of bare numbers.
-"""
+"""UCX status codes (``ucs_status_t``, UCX ABI) as a Python enum, importable without loading
+UCX."""
 
 from __future__ import annotations
 
