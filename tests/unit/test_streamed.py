@@ -22,6 +22,7 @@ from ray_velo.owner.service import WRITTEN_WINDOW_MIN, written_window_bytes
 from ray_velo.payload import as_bytes_view
 from ray_velo.protocol import DataHandle
 from ray_velo.testing import AgentPair
+from tests.unit.conftest import velo_threads
 
 DEAD_PID = 999_999_999  # a pid that cannot exist
 BOUND_S = 10.0
@@ -249,4 +250,4 @@ def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
     assert notices[0] == (first, -1)
     assert bytes(target) == bytes(source)
     writer.close()  # what a session's end does: the thread is joined, not left to idle out
-    assert not any(t.name == "ray_velo-writer" for t in threading.enumerate())
+    assert not velo_threads()
