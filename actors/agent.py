@@ -3,6 +3,7 @@ and the shutdown order (docs/architecture.md §2, §4, §8)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -18,6 +19,7 @@ from ray_velo import metrics
 from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
 from ray_velo.config import VeloConfig
+from ray_velo.consumer.links import Blocking, inline
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
 from ray_velo.core import AgentCore
@@ -31,7 +33,7 @@ from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segmen
 from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
 from ray_velo.owner.state import OwnerState, RegionSlot
-from ray_velo.protocol import kill_switch_engaged
+from ray_velo.protocol import DataHandle, kill_switch_engaged
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
 from ray_velo.wire_auth import WireAuth
@@ -289,6 +291,42 @@ class RendezvousAgent:
             return "none: the kill switch is on (VELO_RDMA_RENDEZVOUS_DISABLE or config)"
         used = sorted({t for ts in core.rdma.transports().values() for t in ts})
         return "ucx: " + (", ".join(used) if used else "no endpoint yet")
+
+    def fetch_into_writer(
+        self, handle: DataHandle, timeout_s: float | None, pid: int, bound: str, nbytes: int
+    ) -> tuple[Reservation, LocalLease]:
+        """:meth:`fetch_into_writer_async` from synchronous code."""
+        return asyncio.run(
+            self.fetch_into_writer_async(handle, timeout_s, pid, bound, nbytes, inline, inline)
+        )
+
+    async def fetch_into_writer_async(
+        self,
+        handle: DataHandle,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        nbytes: int,
+        blocking: Blocking,
+        quick: Blocking,
+    ) -> tuple[Reservation, LocalLease]:
+        """A PinnedWriter of ``nbytes`` for ``pid`` (``stage_reserve``) with ``handle``'s bytes
+        fetched into it (``fetch_remote``, mode ``detach``): one socket call where a tensor
+        transport's receive made two. A failed fetch gives the reservation back; the caller
+        owns it (and aborts it as any PinnedWriter's) once this returns. ``quick`` runs the
+        reservation's steps (on the actor: on its loop unless one may block)."""
+        reservation = await quick(self.producers.reserve, nbytes, True, pid)
+        assert reservation is not None  # a reservation that may map is never declined
+        try:
+            lease = await self.consumer.fetch_async(
+                handle, "detach", timeout_s, pid, bound, blocking, reservation.reservation_id
+            )
+        except BaseException:
+            await quick(
+                self.producers.abort, reservation.reservation_id, "the fetch into it failed"
+            )
+            raise
+        return reservation, lease
 
     def cleanup(self) -> list[tuple[str, int]]:
         """Remove the segments of dead processes in this node's shm directory (never a live

@@ -19,7 +19,7 @@ from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
-from ray_velo.entry import BLOCKING, QUICK
+from ray_velo.entry import BLOCKING, COROUTINES, QUICK
 from ray_velo.errors import AgentShuttingDown, ConfigError
 from ray_velo.local.channel import (
     DISABLE_ENV,
@@ -139,8 +139,8 @@ class _RendezvousActor:
         return await self.quick(self.agent.entry(method), message)
 
     async def _channel_call(self, method: str, args: tuple[Any, ...]) -> Any:
-        if method == "fetch_remote":
-            return await self.fetch_remote(*args)
+        if method in COROUTINES:
+            return await getattr(self, method)(*args)
         if method in QUICK:
             return await self.quick(self.agent.entry(method), *args)
         return await self.blocking(self.agent.entry(method), *args)
@@ -203,6 +203,14 @@ class _RendezvousActor:
             bound,
             self.blocking,
             into_reservation,
+        )
+
+    async def fetch_into_writer(
+        self, handle: Any, timeout_s: float | None, pid: int, bound: str, nbytes: int
+    ) -> Any:
+        """A PinnedWriter with the bytes fetched into it (``RendezvousAgent.fetch_into_writer_async``)."""
+        return await self.agent.fetch_into_writer_async(
+            handle, timeout_s, pid, bound, nbytes, self.blocking, self.quick
         )
 
     async def shutdown(self, timeout_s: float | None = None) -> dict[str, int]:

@@ -11,6 +11,7 @@ __all__ = [
     "BY_NAME",
     "CHANNEL_CALLS",
     "CHANNEL_NOTICES",
+    "COROUTINES",
     "ENTRIES",
     "ORDERED_NOTICES",
     "OWNER_HANDLERS",
@@ -57,6 +58,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("end_lease", "readers.end_lease", "loop", socket="ordered"),
     # a process's fetch from another node (its waits on the owner hold no thread)
     Entry("fetch_remote", "consumer.fetch", "coroutine", socket="call"),
+    # a tensor transport's receive: a PinnedWriter reserved and the bytes fetched into it
+    Entry("fetch_into_writer", "fetch_into_writer", "coroutine", socket="call"),
     # a consuming call's claims, and a release nobody waits for
     Entry("claim_end", "consumer.claim_end", "threads", socket="notice"),
     Entry("release_quietly", "consumer.release_quietly", "threads", socket="notice"),
@@ -106,6 +109,8 @@ ORDERED_NOTICES = frozenset(e.name for e in ENTRIES if e.socket == "ordered")
 #: The actor's delegations to the plain agent: on its loop, and on its threads.
 QUICK: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "loop")
 BLOCKING: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "threads")
+#: The actor's own async methods.
+COROUTINES = frozenset(e.name for e in ENTRIES if e.runs == "coroutine")
 
 if len(BY_NAME) != len(ENTRIES):
     raise AssertionError("two entries share a name")

@@ -20,6 +20,7 @@ from ray_velo import _ray, session
 from ray_velo.errors import TransferError, UnsupportedPayload
 from ray_velo.payload import host_tensor, to_fetch_device
 from ray_velo.protocol import DataHandle
+from ray_velo.writable import alloc_pinned_writer, fetched_pinned_writer
 
 __all__ = [
     "VELO",
@@ -309,19 +310,17 @@ class VeloTensorTransport(VeloNumpyTransport):
         (or view of it) over its memory."""
         import torch
 
-        from ray_velo import api
-
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        writer = api.alloc_pinned_writer(nbytes)
-        try:
-            if handle.worker_id != session.current().worker_id:
-                session.lease(handle, "detach", timeout_s, writer_reservation=writer.reservation_id)
-            else:
+        if handle.worker_id != session.current().worker_id:
+            writer = fetched_pinned_writer(handle, nbytes, timeout_s)
+        else:
+            writer = alloc_pinned_writer(nbytes)
+            try:
                 view = session.read(session.lease(handle, "detach", timeout_s))
                 _copy_checked(writer.array, view, handle)
-        except BaseException:
-            writer.close()
-            raise
+            except BaseException:
+                writer.close()
+                raise
         # the writer's array leads to its memory's exporter: the tensor keeps the memory
         return torch.from_numpy(writer.array).view(dtype).reshape(shape)
 

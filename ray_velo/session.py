@@ -501,6 +501,25 @@ def _lease_once(
     )  # fmt: skip
 
 
+def fetch_into_writer(
+    handle: DataHandle, nbytes: int, timeout: float | None
+) -> tuple[Session, Reservation]:
+    """A reservation of ``nbytes`` of this node's registered pool (a PinnedWriter's) holding
+    ``handle``'s bytes, fetched from its owner on another node: :func:`reserve` and
+    :func:`lease` (``detach``) in one call to the agent."""
+
+    def attempt() -> tuple[Session, Reservation]:
+        session = current()
+        bound, which = fetch_bound(timeout, session.config)
+        wait_s = None if bound is None else bound + AGENT_SLACK_S
+        reservation, _ = session.call(
+            "fetch_into_writer", handle, bound, os.getpid(), which, nbytes, timeout_s=wait_s
+        )
+        return session, reservation
+
+    return retrying_dead_agent(attempt)
+
+
 class _LeasedBytes:
     """Exports a leased slot's bytes read-only to numpy; the lease ends when it is collected.
 

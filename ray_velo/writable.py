@@ -156,6 +156,12 @@ def alloc_pinned_writer(nbytes: int) -> PinnedWriter:
     return PinnedWriter(state, reservation)
 
 
+def fetched_pinned_writer(handle: DataHandle, nbytes: int, timeout: float | None) -> PinnedWriter:
+    """A PinnedWriter of ``nbytes`` holding ``handle``'s bytes, from an owner on another
+    node: the reservation and the GET into it in one call to this node's agent."""
+    return PinnedWriter(*session.fetch_into_writer(handle, nbytes, timeout))
+
+
 class SendBuffer:
     """An array to build a payload in, from :func:`empty`, staged by :meth:`seal` with no copy.
 

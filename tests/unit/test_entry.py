@@ -42,7 +42,9 @@ def test_every_entry_point_is_served(tmp_path: Path) -> None:
 def test_the_carriers_tables_are_the_declarations() -> None:
     assert frames.WIRE_METHODS == WIRE_METHODS == WIRE_AS_SHIPPED
     assert HANDLERS == OWNER_HANDLERS
-    assert {"stage_reserve", "local_acquire", "fetch_remote", "route"} == channel.CHANNEL_METHODS
+    assert {
+        "stage_reserve", "local_acquire", "fetch_remote", "fetch_into_writer", "route",
+    } == channel.CHANNEL_METHODS  # fmt: skip
     assert {
         "stage_commit", "stage_abort", "stage_written", "end_lease", "claim_end",
         "release_quietly",

@@ -229,6 +229,46 @@ def test_a_detaching_fetch_into_a_pinned_writer_ends_the_owners_lease_itself(
     nothing_left(pair)
 
 
+def test_a_writer_reserved_and_filled_in_one_call_holds_the_bytes(pair: AgentPair) -> None:
+    """``fetch_into_writer`` (a tensor transport's receive): the reservation made and the
+    bytes GET into it in one call; the owner holds no lease afterwards and the handle stays
+    usable; the caller owns the reservation until it gives it back."""
+    handle = pair.put(payload(3 * MiB), consumers=2)
+    writer, lease = pair.consumer.fetch_into_writer(handle, None, os.getpid(), "unbounded", 3 * MiB)
+    assert lease.remote_lease_id == 0
+    assert pair.owner.info()["live_leases"] == 0
+    assert pair.consumer.info()["reservations"] == 1
+    assert pair.consumer_paths().get("rdma/ok") == 1
+    view = pair.segments.view(writer.path, writer.offset, 3 * MiB)
+    assert bytes(view) == payload(3 * MiB)
+    del view
+    assert pair.fetch(handle) == payload(3 * MiB)
+    pair.consumer.producers.abort(writer.reservation_id)
+    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
+    nothing_left(pair)
+
+
+@pytest.mark.parametrize("nbytes", [3 * MiB, 2 * MiB])
+def test_a_failed_fetch_into_a_new_writer_gives_its_reservation_back(
+    pair: AgentPair, nbytes: int
+) -> None:
+    """The reservation ``fetch_into_writer`` made is the agent's to end when the fetch fails
+    (the caller never learns its id): an unknown handle, and a writer smaller than the
+    payload, each leave no reservation and no memory behind."""
+    handle = pair.put(payload(3 * MiB))
+    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
+    if nbytes == 3 * MiB:  # released: the owner no longer knows it
+        with pytest.raises(HandleNotFound):
+            pair.consumer.fetch_into_writer(handle, None, os.getpid(), "unbounded", nbytes)
+    else:
+        handle = pair.put(payload(3 * MiB))
+        with pytest.raises(ValueError, match="PinnedWriter holds 2097152 bytes"):
+            pair.consumer.fetch_into_writer(handle, None, os.getpid(), "unbounded", nbytes)
+        assert pair.fetch(handle) == payload(3 * MiB)  # the handle is not lost to the failure
+    assert pair.consumer.core.memory.pinned_used_bytes == 0
+    nothing_left(pair)
+
+
 def test_an_unrenewed_rdma_lease_is_reaped_between_one_and_one_and_a_half_timeouts(
     pair: AgentPair,
 ) -> None:
