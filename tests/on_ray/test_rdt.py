@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import zlib
 from typing import Any
@@ -140,6 +141,36 @@ def test_a_streamed_tensor_arrives_whole_on_another_node_and_in_the_driver(velo:
     want = np.random.default_rng(6).integers(0, 255, 24 * MiB, dtype=np.uint8)
     assert ray.get(sink.describe.remote(arrays), timeout=120)["crc"] == crc(want)
     del ref, arrays
+    assert wait_for_slots("node_a", 0) == 0
+
+
+@ray.remote(**ON_A)
+def stage_streamed_then_forget(nbytes: int, seed: int) -> tuple[rv.DataHandle, list[str]]:
+    """Stage a streamed payload and end this worker's session at once (what ``rv.shutdown()``
+    and an agent's death do): the ray_velo threads this worker still has afterwards."""
+    from ray_velo import session
+
+    data = np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+    handle = session.stage_streamed(data, ttl=None, follow_producer=False)
+    session.forget()
+    return handle, [t.name for t in threading.enumerate() if t.name.startswith("ray_velo")]
+
+
+@ray.remote(**ON_B)
+def fetched_crc_on_b(handle: rv.DataHandle) -> int:
+    return crc(rv.fetch(handle, timeout=60))
+
+
+def test_a_session_ended_right_after_a_streamed_stage_finishes_the_copy_and_its_thread(
+    velo: None,
+) -> None:
+    """The writer thread is the session's: ending the session (right after staging 64 MiB,
+    the copy barely begun) writes what is queued and tells the agent, then ends the thread,
+    so the worker keeps no ray_velo thread and a reader on another node gets every byte."""
+    handle, threads = ray.get(stage_streamed_then_forget.remote(64 * MiB, 9), timeout=120)
+    assert threads == []
+    want = np.random.default_rng(9).integers(0, 255, 64 * MiB, dtype=np.uint8)
+    assert ray.get(fetched_crc_on_b.remote(handle), timeout=120) == crc(want)
     assert wait_for_slots("node_a", 0) == 0
 
 
