@@ -142,7 +142,7 @@ def _wire_address(worker_id: int) -> str | None:
 
 
 class RendezvousAgent:
-    """Owner and node-local consumer of staged payloads (see the module docstring)."""
+    """Owner and node-local consumer of staged payloads."""
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ __all__ = ["RdmaBackend"]
 
 
 class RdmaBackend(Protocol):
-    """An agent's RDMA transport (see the module docstring). Thread-safe."""
+    """An agent's RDMA transport. Thread-safe."""
 
     @property
     def registrar(self) -> Registrar:

@@ -76,7 +76,7 @@ class CommitGate:
 
 @dataclass
 class AgentCore:
-    """The agent's shared parts (see the module docstring)."""
+    """The agent's shared parts."""
 
     config: VeloConfig
     node_id: str

@@ -27,7 +27,7 @@ class Reaped:
 
 @dataclass(frozen=True, slots=True)
 class AgentStates:
-    """One agent's state objects (see the module docstring)."""
+    """One agent's state objects."""
 
     owner: OwnerState
     reservations: Reservations

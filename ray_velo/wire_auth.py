@@ -93,7 +93,7 @@ def _contexts(tls: TlsFiles) -> tuple[ssl.SSLContext, ssl.SSLContext]:
 
 
 class WireAuth:
-    """One agent's credentials for the wire (see the module docstring).
+    """One agent's credentials for the wire.
 
     Args:
         secret: the cluster's secret (``ray_velo.protocol.handshake.SECRET_BYTES``).

@@ -102,7 +102,7 @@ def _agent_heap(node_id: str) -> int:
 
 
 def run_scale_bench(counts: tuple[int, ...] = COUNTS, samples: int = 200) -> list[ScaleRow]:
-    """Measure every column at each live-handle count (see the module docstring)."""
+    """Measure every column at each live-handle count."""
     import ray
 
     from ray_velo.bench.samehost import _Cluster

@@ -166,7 +166,7 @@ def run_soak(
     slack: Slack | None = None,
     progress: Any = None,
 ) -> SoakResult:
-    """Run the soak (see the module docstring) on an embedded two-node cluster, or on the
+    """Run the soak on an embedded two-node cluster, or on the
     cluster at ``address`` (its first two alive nodes). ``progress(text)`` hears each sample."""
     import ray
 

@@ -141,7 +141,7 @@ def run_two_host(
     transfers_only: bool = False,
     security: Security = DEFAULT_SECURITY,
 ) -> list[LinkResult]:
-    """Measure every link in ``links`` (one testbed each); see the module docstring.
+    """Measure every link in ``links`` (one testbed each).
     ``budget_mib``: the agents' ``registered_bytes_budget`` (a payload above it moves through
     registered windows); ``transfers_only``: no pipelines and no mid-size latency table;
     ``security``: Ray's auth mode and TLS on the testbed (Ray's coming default: token auth).

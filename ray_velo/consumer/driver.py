@@ -584,7 +584,7 @@ class _Run:
 
 
 class FetchDriver:
-    """Runs fetches for the processes of this node (see the module docstring)."""
+    """Runs fetches for the processes of this node."""
 
     def __init__(self, core: AgentCore, peers: Peers) -> None:
         self.core = core

@@ -248,7 +248,7 @@ State = Literal[
 
 
 class FetchMachine:
-    """The protocol of one fetch (see the module docstring). One use; not thread-safe."""
+    """The protocol of one fetch. One use; not thread-safe."""
 
     def __init__(self, handle: DataHandle, node: str, mode: Mode, facts: FetchFacts) -> None:
         self.handle = handle

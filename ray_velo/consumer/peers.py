@@ -49,7 +49,7 @@ class Peers(Protocol):
 
 
 class PeerDirectory:
-    """Ray's directory of owner agents (see the module docstring)."""
+    """Ray's directory of owner agents."""
 
     def __init__(
         self,

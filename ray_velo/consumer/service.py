@@ -36,7 +36,7 @@ _MODES = ("release", "detach", "hold", "claim")
 
 
 class ConsumerService:
-    """Fetches, copies, claims and routing of one agent (see the module docstring)."""
+    """Fetches, copies, claims and routing of one agent."""
 
     def __init__(self, core: AgentCore, peers: Peers, owner: OwnerService) -> None:
         self.core = core

@@ -32,7 +32,7 @@ HOLDS = ("fetch", "relayed")
 
 
 class ConsumerState:
-    """One node's fetch destinations, copies, relays and claims (see the module docstring).
+    """One node's fetch destinations, copies, relays and claims.
     Not thread-safe: the agent holds one lock around every call."""
 
     def __init__(self, owner: OwnerState, id_key: bytes) -> None:

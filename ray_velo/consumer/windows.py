@@ -21,7 +21,7 @@ WINDOW_CALL_S = 10.0
 
 
 class WindowFeed:
-    """Window descriptors of one windowed GET, asked ahead (see the module docstring)."""
+    """Window descriptors of one windowed GET, asked ahead."""
 
     def __init__(
         self,

@@ -162,7 +162,7 @@ class DeviceFallback:
 
 
 class DeviceArenaPool:
-    """The arena of one GPU (see the module docstring). Thread-safe; time plays no part."""
+    """The arena of one GPU. Thread-safe; time plays no part."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ WINDOW_DEPTH = 2
 
 
 class WindowSet:
-    """The windows of ``nbytes`` at ``address`` (see the module docstring). Thread-safe.
+    """The windows of ``nbytes`` at ``address``. Thread-safe.
 
     Window ``index`` is bytes ``[index * window_bytes, (index + 1) * window_bytes)`` of the
     buffer (the last one shorter). ``window_bytes`` is a multiple of the page size.

@@ -64,7 +64,7 @@ Holdings = dict[tuple[str, int], str]
 
 
 class BufferLedger:
-    """Buffer key -> its one holder (see the module docstring)."""
+    """Buffer key -> its one holder."""
 
     def __init__(self) -> None:
         self._holders: Holdings = {}

@@ -42,7 +42,7 @@ class Source:
 
 
 class CopySources:
-    """The owner's copies of its handles, by slot id (see the module docstring)."""
+    """The owner's copies of its handles, by slot id."""
 
     def __init__(self) -> None:
         self._by_slot: dict[int, dict[tuple[str, int], Source]] = {}

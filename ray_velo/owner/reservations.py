@@ -32,7 +32,7 @@ class Pending:
 
 
 class Reservations:
-    """The reservations of one agent's producers (see the module docstring)."""
+    """The reservations of one agent's producers."""
 
     def __init__(self, owner: OwnerState) -> None:
         self.owner = owner

@@ -50,7 +50,7 @@ WRITTEN_WAIT_S = 10.0
 
 
 class OwnerService:
-    """The handlers of one agent as owner (see the module docstring)."""
+    """The handlers of one agent as owner."""
 
     def __init__(self, core: AgentCore) -> None:
         self.core = core

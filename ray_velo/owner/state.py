@@ -110,7 +110,7 @@ class _NoWatcher:
 
 
 class OwnerState:
-    """One agent's slots and the buffers under them (see the module docstring). Not
+    """One agent's slots and the buffers under them. Not
     thread-safe: the agent holds one lock around every call."""
 
     def __init__(

@@ -92,7 +92,7 @@ class TestbedInfo:
 
 
 class Testbed:
-    """Emulated hosts with a Ray node on each (see the module docstring).
+    """Emulated hosts with a Ray node on each.
 
     Args:
         hosts: number of hosts (>= 2; names a, b, c...).

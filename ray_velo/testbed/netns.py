@@ -139,7 +139,7 @@ class HostNet:
 
 
 class Network:
-    """The namespaces and links of one testbed (see the module docstring).
+    """The namespaces and links of one testbed.
 
     Args:
         hosts: how many hosts (>= 2).

@@ -54,7 +54,7 @@ class UcxRegistrar:
 
 
 class UcxRdmaBackend:
-    """Everything UCX an agent needs (see the module docstring)."""
+    """Everything UCX an agent needs."""
 
     backend = "ucx"
 
