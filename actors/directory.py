@@ -208,7 +208,7 @@ class _RendezvousActor:
     async def fetch_into_writer(
         self, handle: Any, timeout_s: float | None, pid: int, bound: str, nbytes: int
     ) -> Any:
-        """A PinnedWriter with the bytes fetched into it (``RendezvousAgent.fetch_into_writer_async``)."""
+        """A PinnedWriter with the bytes fetched into it (``fetch_into_writer_async``)."""
         return await self.agent.fetch_into_writer_async(
             handle, timeout_s, pid, bound, nbytes, self.blocking, self.quick
         )

@@ -471,6 +471,15 @@ def fetch_bound(timeout: float | None, config: VeloConfig) -> tuple[float | None
     return min(bounds)
 
 
+def _fetch_wait(
+    timeout: float | None, config: VeloConfig
+) -> tuple[float | None, str, float | None]:
+    """A cross-node fetch's bound and which limit set it (:func:`fetch_bound`), and how long
+    its caller waits for the agent's answer (the bound plus the agent's slack)."""
+    bound, which = fetch_bound(timeout, config)
+    return bound, which, None if bound is None else bound + AGENT_SLACK_S
+
+
 def lease(
     handle: DataHandle, mode: str, timeout: float | None, writer_reservation: int = 0
 ) -> LocalLease:
@@ -493,8 +502,7 @@ def _lease_once(
     session = current()
     if handle.worker_id == session.worker_id and not writer_reservation:
         return session.call("local_acquire", handle, os.getpid(), mode)  # type: ignore[no-any-return]
-    bound, which = fetch_bound(timeout, session.config)
-    wait_s = None if bound is None else bound + AGENT_SLACK_S
+    bound, which, wait_s = _fetch_wait(timeout, session.config)
     return session.call(  # type: ignore[no-any-return]
         "fetch_remote", handle, mode, bound, os.getpid(), which, writer_reservation,
         timeout_s=wait_s,
@@ -510,8 +518,7 @@ def fetch_into_writer(
 
     def attempt() -> tuple[Session, Reservation]:
         session = current()
-        bound, which = fetch_bound(timeout, session.config)
-        wait_s = None if bound is None else bound + AGENT_SLACK_S
+        bound, which, wait_s = _fetch_wait(timeout, session.config)
         reservation, _ = session.call(
             "fetch_into_writer", handle, bound, os.getpid(), which, nbytes, timeout_s=wait_s
         )
