@@ -14,7 +14,7 @@ import ray
 
 import ray_velo as rv
 from ray_velo.config import MiB
-from tests.on_ray.conftest import TEST_CHUNK, agent_info, node_ids, wait_until_freed
+from tests.on_ray.conftest import TEST_CHUNK, agent_info, node_ids, wait_for, wait_until_freed
 from tests.on_ray.test_faults import used_bytes
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]
@@ -116,9 +116,12 @@ def test_two_consumers_with_ref_handle(velo: None) -> None:
     handle = rv.put(np.arange(3 * TEST_CHUNK // 8, dtype=np.int64))
     assert rv.ref_handle(handle) == 2
     first = ray.get(crc_on_b.remote(handle))
+    # each consumer's release reaches the owner as a notice after its fetch returned
+    wait_for("the first release", lambda: rv.metadata(handle).refcount == 1)
     assert rv.metadata(handle).refcount == 1
     second = ray.get(crc_on_b.remote(handle))
     assert first == second
+    wait_until_freed(handle)
     with pytest.raises(rv.HandleNotFound):
         rv.metadata(handle)
 
