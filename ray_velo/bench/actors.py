@@ -3,6 +3,7 @@ every page, each timing itself. Ray is imported on first use."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import zlib
@@ -17,6 +18,7 @@ __all__ = [
     "bench_actors",
     "cpu_ticks",
     "format_latency",
+    "machine_process",
     "measure_latency",
     "medians",
     "pipeline_stages",
@@ -26,6 +28,7 @@ __all__ = [
     "touch",
     "transfer_round",
     "transport_text",
+    "wait_processes_gone",
 ]
 
 
@@ -39,6 +42,26 @@ def cpu_ticks(stat_path: str = "/proc/stat") -> tuple[int, int]:
     except (OSError, ValueError):
         return 0, 0
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def machine_process() -> tuple[str, int]:
+    """(this machine's boot id, this process's pid): a pid means something only where the
+    boot id is the caller's own."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip(), os.getpid()
+
+
+def wait_processes_gone(processes: list[tuple[str, int]], bound_s: float) -> None:
+    """Wait (bounded) until the processes on this machine have exited: a killed actor's
+    process goes on running for a while (NIXL's agent tears down), and the rounds after it
+    must not share the cores with it (each column then runs on a machine as quiet)."""
+    from ray_velo.testbed.netns import process_running
+
+    boot_id = machine_process()[0]
+    pids = [pid for boot, pid in processes if boot == boot_id]
+    deadline = time.monotonic() + bound_s
+    while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def stolen_since(start: tuple[int, int]) -> float | None:

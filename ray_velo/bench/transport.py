@@ -7,12 +7,16 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+from ray_velo.bench.actors import machine_process, wait_processes_gone
 
 MiB = 1 << 20
 #: Untimed transfers through a fresh NIXL pair before its timed one (its agents register
 #: memory and exchange metadata on first use).
 NIXL_WARM_UPS = 2
+#: How long a round waits for the processes of the fresh pair before it to be gone.
+PAIR_EXIT_BOUND_S = 30.0
 
 __all__ = ["format_transport", "measure_transports"]
 
@@ -28,6 +32,9 @@ def _classes(with_nixl: bool) -> tuple[Any, Any]:
         def __init__(self) -> None:
             self.tensor = torch.ones(0, dtype=torch.float32)
             self.array = np.ones(0, dtype=np.uint8)
+
+        def process(self) -> tuple[str, int]:
+            return machine_process()
 
         def make(self, nbytes: int) -> bool:
             """The payloads of this size (made untimed)."""
@@ -61,12 +68,23 @@ def _classes(with_nixl: bool) -> tuple[Any, Any]:
         def ready(self) -> bool:
             return True
 
+        def process(self) -> tuple[str, int]:
+            return machine_process()
+
         def read(self, value: Any) -> int:
             array = value.numpy() if isinstance(value, torch.Tensor) else value
             flat = array.reshape(-1).view(np.uint8)
             return int(flat[::4096].sum())  # touch every page
 
     return Producer, Consumer
+
+
+class _FreshPair(NamedTuple):
+    """A producer and a consumer made for one round, and their (boot id, pid)s."""
+
+    source: Any
+    reader: Any
+    processes: list[tuple[str, int]]
 
 
 def _nixl_available() -> bool:
@@ -101,13 +119,13 @@ def measure_transports(
     }
     if with_nixl:
 
-        def nixl_pair(size: int) -> tuple[Any, Any]:
-            pair = (
-                producer_actor.options(**producer_options).remote(),
-                consumer_actor.options(**consumer_options).remote(),
+        def nixl_pair(size: int) -> _FreshPair:
+            source = producer_actor.options(**producer_options).remote()
+            reader = consumer_actor.options(**consumer_options).remote()
+            ray.get([source.make.remote(size), reader.ready.remote()])
+            return _FreshPair(
+                source, reader, ray.get([source.process.remote(), reader.process.remote()])
             )
-            ray.get([pair[0].make.remote(size), pair[1].ready.remote()])
-            return pair
 
         pairs["torch_nixl"] = nixl_pair
     ray.get(consumer.ready.remote())
@@ -154,6 +172,7 @@ def _measure_size(
     if tick is not None:
         tick(f"{size >> 20} MiB: torch, {', '.join(pairs)} interleaved")
     blocks = [
+        ("torch_plain_kept", (producer, consumer), "torch_plain"),
         ("numpy_velo", (producer, consumer), "numpy_velo"),
         ("numpy_plain", (producer, consumer), "numpy_plain"),
         ("torch_plain_fresh", (fresh, consumer), "torch_plain"),
@@ -197,19 +216,21 @@ def format_transport(
         "  ms per transfer; VELO/NIXL and VELO/Ray: their time over VELO's (above 1.00x: VELO "
         "is faster); VELO/raw link: a raw TCP socket's time over VELO's. Ordinary returns "
         "after an RDT return vs a fresh actor (largest size): torch "
-        f"{_ratio(last, 'torch_plain', 'torch_plain_fresh')}, numpy "
+        f"{_ratio(last, 'torch_plain_kept', 'torch_plain_fresh')}, numpy "
         f"{_ratio(last, 'numpy_plain', 'numpy_plain_fresh')} (1.00x = no cost)"
     )
     return "\n".join(lines)
 
 
 def _fresh_pair_round(
-    pair: tuple[Any, Any], column: str, once: Callable[[str, tuple[Any, Any], str, bool], None]
+    fresh: _FreshPair, column: str, once: Callable[[str, tuple[Any, Any], str, bool], None]
 ) -> bool:
-    """One timed round through a pair made for it (warmed up first), ended after; False
-    (nothing timed) when a transfer failed: counted, not fatal, the other columns go on."""
+    """One timed round through a pair made for it (warmed up first), ended after (its
+    processes gone); False (nothing timed) when a transfer failed: counted, not fatal, the
+    other columns go on."""
     import ray
 
+    pair = (fresh.source, fresh.reader)
     try:
         for _ in range(NIXL_WARM_UPS):
             once(column, pair, column, False)
@@ -220,6 +241,7 @@ def _fresh_pair_round(
     finally:
         for actor in pair:
             ray.kill(actor)
+        wait_processes_gone(fresh.processes, PAIR_EXIT_BOUND_S)
 
 
 def _size_line(row: dict[str, Any], raw: float | None) -> str:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from ray_velo.bench.actors import medians, rounds
+from ray_velo.bench.actors import machine_process, medians, rounds, wait_processes_gone
 from ray_velo.bench.twohost import LinkResult, format_two_host
 
 GiB = 1 << 30
@@ -85,3 +88,25 @@ def test_the_built_in_place_transfer_has_its_own_rounds_and_breakdown() -> None:
     assert "built breakdown: seal 2.0 ms, UCX GET 950.0 ms, control calls + read 48.0 ms" in text
     header = text.splitlines()[0].split()
     assert "built" in header and "built/raw" in header
+
+
+def test_a_round_after_a_killed_pair_waits_for_its_processes_to_be_gone() -> None:
+    # A fresh NIXL pair's processes run on after ray.kill: the next column's round must not
+    # share the cores with them. Pids of another machine (boot id) are not waited for.
+    boot_id = machine_process()[0]
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wait_processes_gone([(boot_id, exiting.pid)], bound_s=30.0)
+        assert exiting.poll() is not None  # exited (a zombie until reaped counts as gone)
+        started = time.monotonic()
+        wait_processes_gone([("another-machine", lingering.pid)], bound_s=30.0)
+        assert time.monotonic() - started < 5.0
+        started = time.monotonic()
+        wait_processes_gone([(boot_id, lingering.pid)], bound_s=0.3)  # the bound holds
+        assert 0.3 <= time.monotonic() - started < 5.0
+        assert lingering.poll() is None
+    finally:
+        for process in (exiting, lingering):
+            process.kill()
+            process.wait(timeout=30)
