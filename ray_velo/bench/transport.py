@@ -15,7 +15,7 @@ MiB = 1 << 20
 #: Untimed transfers through a fresh NIXL pair before its timed one (its agents register
 #: memory and exchange metadata on first use).
 NIXL_WARM_UPS = 2
-#: How long a round waits for the processes of the fresh pair before it to be gone.
+#: How long the round after a fresh pair waits for that pair's processes to exit.
 PAIR_EXIT_BOUND_S = 30.0
 
 __all__ = ["format_transport", "measure_transports"]
@@ -122,10 +122,8 @@ def measure_transports(
         def nixl_pair(size: int) -> _FreshPair:
             source = producer_actor.options(**producer_options).remote()
             reader = consumer_actor.options(**consumer_options).remote()
-            ray.get([source.make.remote(size), reader.ready.remote()])
-            return _FreshPair(
-                source, reader, ray.get([source.process.remote(), reader.process.remote()])
-            )
+            made = [source.make.remote(size), source.process.remote(), reader.process.remote()]
+            return _FreshPair(source, reader, ray.get(made)[1:])
 
         pairs["torch_nixl"] = nixl_pair
     ray.get(consumer.ready.remote())
