@@ -44,6 +44,9 @@ _log = logging.getLogger(__name__)
 
 #: How often the agent checks that the processes it serves are still alive, while any are.
 LIVENESS_INTERVAL_S = 1.0
+#: How often the timer looks again for a quiet moment to map the arenas it was asked for
+#: while a transfer was in flight.
+WARM_UP_RETRY_S = 0.05
 _START_UCX: Any = object()  # the default of RendezvousAgent(rdma=...): start UCX if it loads
 
 
@@ -380,6 +383,7 @@ class RendezvousAgent:
             reaped = states.reap(dead, now, fx) if dead else None
             counts = states.owner.counts()
             core.metrics.set_slots(counts.live_slots, counts.staged_bytes)
+            quiet = states.transfers_in_flight() == 0
             due = [states.next_due(), self._refresh_gauges(now)]
             if watched - dead:
                 due.append(now + LIVENESS_INTERVAL_S)
@@ -389,10 +393,10 @@ class RendezvousAgent:
             self.consumer.return_claims(reaped.unclaim)
             self.regions.reap(dead)
         due.append(self._end_jobs(now))
-        if core.memory.warm_up_wanted:
-            core.memory.warm_up(
-                now
-            )  # outside every caller's send (docs/protocol.md §12: never in a send)
+        # outside every caller's send (docs/protocol.md §12), and a large arena only while no
+        # transfer of this node is in flight (it would take a core from it)
+        if core.memory.warm_up_wanted and core.memory.warm_up(now, quiet=quiet):
+            due.append(now + WARM_UP_RETRY_S)
         due += core.memory.reclaim(now)
         if core.rdma is not None:
             core.rdma.reap_idle_endpoints(now)

@@ -175,6 +175,15 @@ class RdmaPoolConfig:
     #: timer maps an arena of that size and leaves it warm, so the next payload takes the RDMA
     #: path. False is the protocol's behaviour: only an explicit pinned ``put`` ever maps.
     warm_up_after_miss: bool = True
+    #: A dedicated payload whose size repeats within this many seconds (a pipeline's next
+    #: round) asks the timer for a spare arena of that size, mapped while no transfer of the
+    #: node is in flight, so the round after maps nothing inside its put (docs/tuning.md
+    #: "Spare arenas"). 0 turns spares off.
+    spare_repeat_window: float = 30.0
+    #: No spare arena above this many bytes. None (the default): an eighth of the registered
+    #: budget, never below ``dedicated_arena_min``: a larger spare crowds out live payloads'
+    #: budget, and such a payload spends far longer on the wire than a map costs.
+    spare_arena_max_bytes: int | None = None
     #: A payload in plain memory (one the budget could not take whole) still moves by GET:
     #: each side registers a window of this many bytes at a time, charged to the budget
     #: (the owner two per transfer, the next ready while one moves). Not in the protocol
@@ -196,6 +205,14 @@ class RdmaPoolConfig:
         if self.warm_dedicated_bytes is not None:
             _non_negative(self, "warm_dedicated_bytes")
         _positive_seconds_or_none(self, "arena_reclaim_after")
+        if not _is_seconds(self.spare_repeat_window) or self.spare_repeat_window < 0:
+            raise ConfigError(
+                field="spare_repeat_window",
+                value=self.spare_repeat_window,
+                rule="must be a non-negative, finite number of seconds (0: no spares)",
+            )
+        if self.spare_arena_max_bytes is not None:
+            _non_negative(self, "spare_arena_max_bytes")
         if self.max_arena_bytes < self.initial_arena_bytes:
             raise ConfigError(
                 field="max_arena_bytes",

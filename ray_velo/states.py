@@ -64,6 +64,12 @@ class AgentStates:
         due = [d for d in (self.owner.next_due(), self.consumer.next_due()) if d is not None]
         return min(due, default=None)
 
+    def transfers_in_flight(self) -> int:
+        """Transfers of this node moving bytes now: leases other nodes GET or pull under,
+        and this node's own fetches."""
+        owner = self.owner.counts()
+        return owner.rdma_leases + owner.chunked_leases + self.consumer.fetches_in_flight
+
     def watched_pids(self) -> set[int]:
         """Processes whose death matters: readers, producers, claimers, followed producers."""
         pids = self.owner.watched_pids() | self.reservations.pids() | self.consumer.claim_pids()

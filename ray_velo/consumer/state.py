@@ -65,6 +65,11 @@ class ConsumerState:
         self._fetches[fid] = (buffer, pinned)
         return fid
 
+    @property
+    def fetches_in_flight(self) -> int:
+        """Fetches (and copies) that own a destination now: their bytes are still moving."""
+        return len(self._fetches)
+
     def fetch_buffer(self, fid: int) -> Buffer | None:
         """Fetch ``fid``'s buffer while it owns one."""
         entry = self._fetches.get(fid)

@@ -12,8 +12,9 @@ from typing import Any
 from ray_velo import nonblocking
 from ray_velo.config import RdmaPoolConfig, VeloConfig
 from ray_velo.errors import SharedMemoryTooSmall, StagingError
-from ray_velo.memory.arena import remove_stale_segments
+from ray_velo.memory.arena import page_round_up, remove_stale_segments
 from ray_velo.memory.pool import ArenaPool, Fallback, Placement, Registrar, RegistrationBudget
+from ray_velo.memory.spares import SparePolicy
 from ray_velo.store import SlotKind
 
 __all__ = ["PLAIN_MAX_ARENA_BYTES", "SPEC_BUDGET_BYTES", "NodeMemory", "default_budget"]
@@ -104,12 +105,21 @@ class NodeMemory:
         self._registrations_seen = 0
         self._seen_lock = threading.Lock()
         self._warm_up_allowed = pool_config.warm_up_after_miss
-        self._warm_up_wanted: set[tuple[bool, int]] = set()  # (registered, bytes)
+        self._dedicated_min = pool_config.dedicated_arena_min
+        spare_max = pool_config.spare_arena_max_bytes
+        if spare_max is None:
+            spare_max = max(budget // 8, pool_config.dedicated_arena_min)
+        self._spares = SparePolicy(
+            repeat_window_s=pool_config.spare_repeat_window,
+            max_bytes=spare_max,
+            warm_limit_bytes=pool_config.warm_dedicated_bytes or 0,
+        )
+        self._warm_up_wanted: set[tuple[bool, int, bool]] = set()  # (registered, bytes, spare)
         self._warm_up_lock = threading.Lock()
         if self._warm_up_allowed:
             # The first pooled arena, mapped by the timer right after the agent starts, so
             # transparent payloads below dedicated_arena_min stage from the first call.
-            self._warm_up_wanted.add((self.pinned_pool is not None, 1))
+            self._warm_up_wanted.add((self.pinned_pool is not None, 1, False))
 
     # --- placing bytes ---------------------------------------------------------------
 
@@ -128,10 +138,9 @@ class NodeMemory:
         ``record``: count a pinned-staging fallback in the path metric (the owner's staging
         point, labels ``kill_switch``, ``budget``, ``pool_exhausted``: docs/protocol.md §9).
         Without a registered pool (no UCX) the data goes to plain memory, counting nothing.
-        A payload that took (or had to map) the last warm dedicated arena of its size asks
-        the timer for a spare, as :meth:`allocate_mapped` does: the next payload of that size
-        (a pipeline's next round, staged while readers hold this one) finds one mapped and
-        faulted in instead of mapping and faulting a fresh one inside its put.
+        A dedicated payload whose size repeats may ask the timer for a spare arena
+        (:class:`~ray_velo.memory.spares.SparePolicy` says when), as :meth:`allocate_mapped`
+        does: a pipeline's next round finds one mapped instead of mapping one inside its put.
 
         Raises:
             SharedMemoryTooSmall: the shm directory cannot hold the bytes.
@@ -145,8 +154,8 @@ class NodeMemory:
                 got = self._take(self.pinned_pool, nbytes, now)
                 self._count_registrations()
                 if isinstance(got, Placement):
-                    if got.dedicated and not self.pinned_pool.has_warm(nbytes):
-                        self._want_warm(True, nbytes)
+                    if got.dedicated:
+                        self._consider_spare(self.pinned_pool, True, nbytes, now)
                     return got, "dedicated" if got.dedicated else "pooled", True
                 fallback = got.reason
         placement = self._plain(nbytes, now)
@@ -162,9 +171,9 @@ class NodeMemory:
         Registered memory when the RDMA path is on, else plain; None when nothing mapped
         fits (the payload then travels inside the Ray call, as if undecorated), after asking
         the timer to warm an arena of that size up (:meth:`warm_up`) so that the next one
-        finds it. A payload that took the last warm dedicated arena of its size asks for a
-        spare too: on a steady pipeline the next round's payload is staged while this one's
-        readers still hold it (their releases cross the link), and must find another."""
+        finds it. A dedicated payload whose size repeats may ask for a spare too
+        (:class:`~ray_velo.memory.spares.SparePolicy`): on a steady pipeline the next round's
+        payload is staged while this one's readers still hold it, and must find another."""
         registered = rdma_enabled and self.pinned_pool is not None
         pool = self.pinned_pool if registered else self.plain_pool
         assert pool is not None
@@ -173,38 +182,58 @@ class NodeMemory:
             kind: SlotKind = "plain"
             if registered:
                 kind = "dedicated" if got.dedicated else "pooled"
-            if got.dedicated and not pool.has_warm(nbytes):
-                self._want_warm(registered, nbytes)
+            if got.dedicated:
+                self._consider_spare(pool, registered, nbytes, now)
             return got, kind, registered
+        if nbytes >= self._dedicated_min:
+            self._consider_spare(pool, registered, nbytes, now)  # counts as a sighting
         self._want_warm(registered, nbytes)
         return None
 
-    def _want_warm(self, registered: bool, nbytes: int) -> None:
+    def _consider_spare(self, pool: ArenaPool, registered: bool, nbytes: int, now: float) -> None:
+        """A dedicated payload of ``nbytes`` was placed (or missed): ask for a spare arena
+        of its size where the spare policy says it pays."""
+        with self._warm_up_lock:
+            wanted = self._spares.placed(
+                nbytes, now, warm_held_bytes=pool.warm_bytes, has_warm=pool.has_warm(nbytes)
+            )
+        if wanted:
+            self._want_warm(registered, nbytes, spare=True)
+
+    def _want_warm(self, registered: bool, nbytes: int, *, spare: bool = False) -> None:
         if self._warm_up_allowed:
             with self._warm_up_lock:
-                self._warm_up_wanted.add((registered, nbytes))
+                self._warm_up_wanted.add((registered, nbytes, spare))
 
     @property
     def warm_up_wanted(self) -> bool:
         """Whether transparent staging missed mapped memory since the last warm-up."""
         return bool(self._warm_up_wanted)
 
-    def warm_up(self, now: float) -> None:
-        """Map an arena for each size transparent staging missed (registered, or plain when
-        the RDMA path is off), then give it back to its pool at once: a pooled arena stays
-        mapped, a dedicated one stays warm (``warm_dedicated_bytes``). Runs on the agent's
-        timer, never inside a send; bounded by ``registered_bytes_budget`` like every
-        registration."""
+    def warm_up(self, now: float, *, quiet: bool = True) -> bool:
+        """Map an arena for each size asked for (a transparent-staging miss, a spare), in
+        the registered pool (or plain when the RDMA path is off), then give it back to its
+        pool at once: a pooled arena stays mapped, a dedicated one stays warm
+        (``warm_dedicated_bytes``). Runs on the agent's timer, never inside a send; bounded
+        by ``registered_bytes_budget`` like every registration; a spare never pushes a warm
+        arena out to make room. ``quiet``: no transfer of this node is in flight; when it
+        is False, dedicated sizes wait (mapping one takes a core for up to a second).
+        Returns whether some wait, for the timer to come back."""
         with self._warm_up_lock:
-            wanted, self._warm_up_wanted = sorted(self._warm_up_wanted), set()
-        for registered, nbytes in wanted:
+            wanted = sorted(self._warm_up_wanted)
+            later = set() if quiet else {w for w in wanted if w[1] >= self._dedicated_min}
+            self._warm_up_wanted = set(later)
+        for registered, nbytes, spare in wanted:
             pool = self.pinned_pool if registered else self.plain_pool
-            if pool is None:
+            if pool is None or (registered, nbytes, spare) in later or pool.has_warm(nbytes):
                 continue
+            if spare and registered and page_round_up(nbytes) > self.budget.available_bytes:
+                continue  # it would push warm arenas out: a spare never does
             got = pool.allocate(nbytes, now)
             if isinstance(got, Placement):
                 pool.free(got, now)
         self._count_registrations()
+        return bool(later)
 
     @staticmethod
     def _take(pool: ArenaPool, nbytes: int, now: float) -> Placement | Fallback:

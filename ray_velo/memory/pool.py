@@ -814,6 +814,12 @@ class ArenaPool:
         self._warm.append(record)
         return True
 
+    @property
+    def warm_bytes(self) -> int:
+        """Bytes of the warm dedicated arenas mapped now."""
+        with self._lock:
+            return sum(r.arena.nbytes for r in self._warm)
+
     def has_warm(self, nbytes: int) -> bool:
         """Whether a warm dedicated arena would take a payload of ``nbytes`` now."""
         size = page_round_up(nbytes)

@@ -605,21 +605,90 @@ def test_a_steady_pipeline_stages_every_round_after_the_first(tmp_path: Path) ->
         nothing_left(pair)
 
 
-def test_a_put_that_takes_the_last_warm_arena_of_its_size_gets_a_spare(tmp_path: Path) -> None:
+def test_a_size_that_repeats_gets_a_spare_arena_from_its_third_put_on(tmp_path: Path) -> None:
     """Explicit puts of one size while the previous is still held (a Ray Direct Transport
-    object lives until Ray frees its ref): from the second round on, each put finds a spare
-    arena the timer mapped beforehand, instead of mapping (and faulting) one inside the put."""
+    object lives until Ray frees its ref): the second put of the size within the window shows
+    a pipeline, and asks the timer for a spare; from the third on, each put finds the spare
+    mapped beforehand instead of mapping (and faulting) one inside the put."""
     with AgentPair(tmp_path / "shm") as pair:
         pool = pair.owner.core.memory.pinned_pool
         assert pool is not None
         held = pair.put(payload(20 * MiB, 0))
-        pair.tick()  # the timer maps the spare the first put asked for
-        for round_ in range(1, 6):
+        pair.tick()
+        for round_ in range(1, 7):
             mapped = pool.arenas
             handle = pair.put(payload(20 * MiB, round_))
-            assert pool.arenas == mapped, f"round {round_} mapped an arena inside its put"
-            pair.tick()
+            if round_ >= 2:
+                assert pool.arenas == mapped, f"round {round_} mapped an arena inside its put"
+            pair.tick(0.5)  # the timer maps the spare the put asked for
             assert pair.fetch(held) == payload(20 * MiB, round_ - 1)
             held = handle
         pair.fetch(held)
+        nothing_left(pair)
+
+
+def test_a_one_off_put_maps_no_spare(tmp_path: Path) -> None:
+    """Puts of sizes that never repeat (or repeat only after the window) leave no spare
+    arena behind: after each put and the timer's turn, the pool holds the put's own arena
+    and nothing more."""
+    with AgentPair(tmp_path / "shm") as pair:
+        pool = pair.owner.core.memory.pinned_pool
+        assert pool is not None
+        window = pair.config.rdma.pool.spare_repeat_window
+        pair.tick()  # the first pooled arena, mapped when the agent starts
+        for size in (20 * MiB, 40 * MiB, 20 * MiB):
+            before = pool.arenas
+            handle = pair.put(payload(size))
+            mapped = pool.arenas
+            pair.tick(window + 1)
+            assert pool.arenas == mapped, f"a spare was mapped for a one-off {size} B put"
+            assert mapped <= before + 1
+            pair.fetch(handle)
+        nothing_left(pair)
+
+
+def test_no_spare_above_the_size_bound(tmp_path: Path) -> None:
+    """A repeating size above spare_arena_max_bytes gets no spare: its puts reuse the one
+    warm arena they free, and the node holds no second arena of that size."""
+    bounded = dataclasses.replace(default_config().rdma.pool, spare_arena_max_bytes=16 * MiB)
+    config = default_config().replace(rdma=RdmaConfig(pool=bounded))
+    with AgentPair(tmp_path / "shm", config) as pair:
+        pool = pair.owner.core.memory.pinned_pool
+        assert pool is not None
+        held = pair.put(payload(20 * MiB, 0))
+        for round_ in range(1, 4):
+            handle = pair.put(payload(20 * MiB, round_))
+            pair.tick(0.5)
+            assert pool.warm_bytes == 0, "a spare above the bound was mapped"
+            pair.fetch(held)
+            held = handle
+        pair.fetch(held)
+        nothing_left(pair)
+
+
+def test_a_spare_waits_until_no_transfer_is_in_flight(tmp_path: Path) -> None:
+    """The timer is asked for a spare while another node GETs from this one (its RDMA lease
+    is live): mapping it then would take a core from that transfer, so it waits, and is
+    mapped at the first turn of the timer after the lease ends."""
+    with AgentPair(tmp_path / "shm") as pair:
+        pool = pair.owner.core.memory.pinned_pool
+        assert pool is not None
+        first = pair.put(payload(20 * MiB, 0))
+        pair.fetch(first)
+        moving = pair.put(payload(2 * MiB, 9))
+        answer = decode_acquire_response(
+            pair.owner.owner._rv_acquire(encode(AcquireRequest(moving, rdma=RdmaOffer())))
+        )
+        assert pair.owner.info()["live_leases"] == 1
+        second = pair.put(payload(20 * MiB, 1))  # the size repeats: a spare is wanted
+        mapped = pool.arenas
+        for _ in range(3):
+            pair.tick(0.05)
+            assert pool.arenas == mapped, "a spare was mapped during a transfer"
+        pair.owner.owner._rv_release(
+            encode(ReleaseRequest(moving, answer.lease_id))  # type: ignore[union-attr]
+        )
+        pair.tick(0.05)
+        assert pool.arenas == mapped + 1 and pool.warm_bytes >= 20 * MiB
+        pair.fetch(second)
         nothing_left(pair)
