@@ -363,6 +363,9 @@ def make_builder(prefix: str | None = None) -> cffi.FFI:
         # No rpath on purpose: libucx.load_library() preloads libucs/libuct/libucp (RTLD_LOCAL)
         # and the loader then satisfies DT_NEEDED libucp.so.0 by soname.
         extra_compile_args=["-O2", "-Wno-sign-compare"],
+        # Stable ABI (cffi's default, said here because the abi3 wheel depends on it): one
+        # `.abi3.so` serves every CPython >= 3.10 (`.ci/wheel` tags the wheel cp310-abi3).
+        py_limited_api=True,
     )
     return builder
 
