@@ -260,6 +260,12 @@ class Testbed:
 
     # --- drivers -----------------------------------------------------------------------
 
+    def set_link(self, link: str | None) -> None:
+        """Shape every link to ``link`` (``"10gbit"``, ``"none"``...) from now on; the Ray
+        nodes stay up."""
+        self.network.reshape(parse_rate(link))
+        self.link = link or "none"
+
     def info(self, host: Host) -> TestbedInfo:
         return TestbedInfo(self.address, host.address, self.hosts)
 

@@ -156,6 +156,7 @@ class Network:
         self.hosts = [HostNet(i, f"{self.tag}-h{i}", f"{SUBNET}.{i + 1}") for i in range(hosts)]
         self.switch = f"{self.tag}-sw" if hosts > 2 else None
         self._made: list[str] = []
+        self._ends: list[tuple[str, str]] = []  # (namespace, device) of every link end
 
     @property
     def made(self) -> list[str]:
@@ -206,6 +207,7 @@ class Network:
             "veth pair",
         )
         for netns, name in ((ns_a, name_a), (ns_b, name_b)):
+            self._ends.append((netns, name))
             _run(["ip", "-n", netns, "link", "set", name, "mtu", str(self.mtu)], "mtu")
             _run(["ip", "-n", netns, "link", "set", name, "up"], "link up")
             if self.rate_bps is not None:
@@ -223,6 +225,16 @@ class Network:
             ],
             "shape the link (tc tbf)",
         )
+
+    def reshape(self, rate_bps: float | None) -> None:
+        """Shape every link to ``rate_bps`` (None: unshaped) from now on; the hosts and
+        their processes stay as they are."""
+        for netns, device in self._ends:
+            _run(["tc", "-n", netns, "qdisc", "del", "dev", device, "root"], "unshape", check=False)
+        self.rate_bps = rate_bps
+        if rate_bps is not None:
+            for netns, device in self._ends:
+                self._shape(netns, device)
 
     def pids(self) -> list[int]:
         """Every process inside this network's namespaces."""

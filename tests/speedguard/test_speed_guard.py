@@ -1,0 +1,58 @@
+"""The speed guard: the shapes we sell, moved by ray_velo and by Ray's object store in the same
+run on the two-host testbed, each against a floor on ray_velo's speed over Ray's.
+
+A 2x loss once landed unnoticed (issue 37: a spare 1.5 GiB arena mapped beside every GiB
+transfer). Each floor sits below the lowest ratio seen in 20 runs on the 2-core CI machine (so
+this test does not flake) and above what that regression measured (so it fails on it); the
+numbers are in docs/benchmarks.md "The speed guard". Its own folder: it builds a testbed of
+its own, with object stores that hold a 1.5 GiB payload, and nothing else may run beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_velo.bench.shapes import GUARD_SHAPES, format_shapes, measure_shapes, speed_over_ray
+from ray_velo.testbed import check_privileges
+from ray_velo.testbed.errors import TestbedUnavailable
+
+pytestmark = [pytest.mark.twohost, pytest.mark.slow]
+
+MiB = 1 << 20
+
+#: ray_velo's speed over Ray's (Ray's median seconds over ray_velo's), the least each shape
+#: may show.
+FLOORS = {
+    "4 MiB @10gbit": 1.0,
+    "256 MiB @10gbit": 1.5,
+    "state dict @10gbit": 0.8,
+    "1.5 GiB unshaped": 2.0,
+}
+
+
+def test_the_shapes_we_sell_stay_ahead_of_ray() -> None:
+    """4 MiB and 256 MiB at 10 Gbit/s, GPT-2 small's state dict through @rv.transfer, and
+    1.5 GiB unshaped, each interleaved with Ray's object store round by round: ray_velo's
+    speed over Ray's stays above its floor, every read is right, and after the 1.5 GiB rounds
+    host a holds at most one arena of that size (the warm one), never a spare beside it."""
+    try:
+        check_privileges()
+    except TestbedUnavailable as exc:
+        pytest.skip(f"SKIPPED (namespaces): {exc}")
+    assert set(FLOORS) == {shape.name for shape in GUARD_SHAPES}
+    result = measure_shapes(GUARD_SHAPES, raw_link=False)
+    print("\n" + format_shapes(result))
+    low = []
+    for name, row in result["shapes"].items():
+        assert row["consistent"], f"{name}: the consumer read different values"
+        speed = speed_over_ray(row)
+        print(f"speed guard: {name}: {speed:.2f}x Ray (floor {FLOORS[name]:.2f}x)")
+        if speed < FLOORS[name]:
+            low.append(f"{name} at {speed:.2f}x Ray, below its floor {FLOORS[name]:.2f}x")
+    assert not low, "ray_velo slower than it was: " + "; ".join(low)
+    big = result["shapes"]["1.5 GiB unshaped"]
+    grown = big["registered_after"] - big["registered_before"]
+    assert grown <= 1536 * MiB + 1536 * MiB // 8, (
+        f"host a kept {grown / MiB:.0f} MiB more registered memory after the 1.5 GiB rounds: "
+        "more than the one warm arena of that size"
+    )
