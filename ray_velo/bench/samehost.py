@@ -27,7 +27,7 @@ from ray_velo.bench.actors import (
 
 MiB = 1 << 20
 
-__all__ = ["BenchRow", "demo", "run_bench", "ucx_raw_get"]
+__all__ = ["BenchRow", "demo", "format_decorator", "run_bench", "ucx_raw_get"]
 
 
 @dataclass
@@ -367,9 +367,10 @@ def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
     return "\n".join(lines)
 
 
-def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
+def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> dict[str, Any]:
     """A two-stage cross-node pipeline of large arrays, decorated with @ray_velo.transfer
-    against the same pipeline undecorated (Ray's object store), in one run.
+    against the same pipeline undecorated (Ray's object store), in one run: each column's
+    seconds per round (``seconds``), and whether every round read the same (``same``).
 
     Stage 1 is an actor on node a returning a prepared array; stage 2 a task on node b that
     reads all of it. Timed from the driver: submit both stages, get stage 2's small result.
@@ -379,7 +380,6 @@ def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
     import ray_velo as rv
 
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 4 * size_bytes))
-    lines = []
     try:
         batches, read_all = pipeline_stages(size_bytes)
         plain_actor: Any = ray.remote(num_cpus=0, resources={"node_a": 1})(batches)
@@ -397,26 +397,33 @@ def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> str:
                 if rep:
                     seconds[name].append(time.perf_counter() - started)
                 results[name].add(value)
-        ray_s, velo_s = statistics.median(seconds["ray"]), statistics.median(seconds["velo"])
         same = results["ray"] == results["velo"] and len(results["ray"]) == 1
-        lines.append(
-            f"decorated pipeline, {size_bytes // MiB} MiB arrays, actor on node a -> task on "
-            f"node b (median of {reps}):"
-        )
-        lines.append(f"  Ray object store (undecorated) {ray_s * 1e3:8.1f} ms")
-        lines.append(f"  @ray_velo.transfer             {velo_s * 1e3:8.1f} ms")
-        lines.append(
-            f"  speedup {ray_s / velo_s:.1f}x; results {'identical' if same else 'DIFFER'}"
-        )
     finally:
         cluster.close()
-    return "\n".join(lines)
+    return {"size_bytes": size_bytes, "reps": reps, "seconds": seconds, "same": same}
 
 
-def run_transport_bench(sizes: list[int], reps: int = 5) -> str:
+def format_decorator(result: dict[str, Any]) -> str:
+    """:func:`run_decorator_bench`'s result as text."""
+    ray_s = statistics.median(result["seconds"]["ray"])
+    velo_s = statistics.median(result["seconds"]["velo"])
+    return "\n".join(
+        [
+            f"decorated pipeline, {result['size_bytes'] // MiB} MiB arrays, actor on node a -> "
+            f"task on node b (median of {result['reps']}):",
+            f"  Ray object store (undecorated) {ray_s * 1e3:8.1f} ms",
+            f"  @ray_velo.transfer             {velo_s * 1e3:8.1f} ms",
+            f"  speedup {ray_s / velo_s:.1f}x; results "
+            f"{'identical' if result['same'] else 'DIFFER'}",
+        ]
+    )
+
+
+def run_transport_bench(sizes: list[int], reps: int = 5) -> dict[str, Any]:
     """The tensor transports (``tensor_transport="VELO"`` and ``"VELO_NUMPY"``, NIXL where
-    installed) against Ray's object store, actor to actor across the two local nodes."""
-    from ray_velo.bench.transport import format_transport, measure_transports
+    installed) against Ray's object store, actor to actor across the two local nodes
+    (:func:`~ray_velo.bench.transport.measure_transports`' result)."""
+    from ray_velo.bench.transport import measure_transports
 
     cluster = _Cluster(object_store_bytes=max(1 << 30, 6 * max(sizes)))
     try:
@@ -429,7 +436,7 @@ def run_transport_bench(sizes: list[int], reps: int = 5) -> str:
         )
     finally:
         cluster.close()
-    return format_transport(result, "two local nodes on one host")
+    return result
 
 
 def shm_free_bytes(directory: str = "/dev/shm") -> int:

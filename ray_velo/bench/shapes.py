@@ -41,8 +41,9 @@ DRIVER_TIMEOUT_S = 900.0
 @dataclass(frozen=True, slots=True)
 class Shape:
     """One payload shape: ``kind`` ``"array"`` (rv.put / rv.fetch of a uint8 array of
-    ``nbytes``) or ``"dict"`` (GPT-2 small's state dict, an actor's return handed to another
-    actor, under ``@rv.transfer`` against the same undecorated), on a link of ``link``."""
+    ``nbytes``), ``"pipe"`` (that array as an actor's return handed to another actor, a steady
+    pipeline, under ``@rv.transfer`` against the same undecorated) or ``"dict"`` (GPT-2
+    small's state dict, as ``"pipe"``), on a link of ``link``."""
 
     name: str
     link: str
@@ -64,6 +65,7 @@ BENCH_SHAPES = (
     Shape("4 MiB @10gbit", "10gbit", "array", 4 * MiB, 15),
     Shape("256 MiB @10gbit", "10gbit", "array", 256 * MiB, 7),
     Shape("state dict @10gbit", "10gbit", "dict", 0, 5),
+    Shape("256 MiB decorator @10gbit", "10gbit", "pipe", 256 * MiB, 7),
     Shape("1.5 GiB @10gbit", "10gbit", "array", 1536 * MiB, 3),
     Shape("3 GiB @10gbit", "10gbit", "array", 3 * GiB, 3),
     Shape("1.5 GiB unshaped", "none", "array", 1536 * MiB, 3),
@@ -128,7 +130,7 @@ def measure_shapes(
             measured = _drive(testbed, group, pythonpath)["shapes"]
             for shape in group:
                 row = measured[shape.name]
-                if raw_link and shape.kind == "array":
+                if raw_link and shape.kind != "dict":
                     row["seconds"]["raw_tcp"] = [raw_tcp(testbed, shape.nbytes, 3)]
                 out[shape.name] = {
                     "link": link, "kind": shape.kind, "bytes": shape.nbytes, **row

@@ -107,7 +107,7 @@ def _columns(actors: dict[str, Any], kind: str) -> dict[str, Callable[[], int]]:
     import ray
 
     p, c = actors["producer"], actors["consumer"]
-    if kind == "dict":  # a method's return handed to another actor, decorated or not
+    if kind in ("dict", "pipe"):  # a method's return handed to another actor, decorated or not
         pp, pc = actors["pipe_producer"], actors["pipe_consumer"]
         return {
             "velo": lambda: ray.get(pc.take.remote(pp.value_back.remote())),
@@ -144,7 +144,7 @@ def measure_shape(
     registered bytes before and after."""
     import ray
 
-    makers = ("producer", "pipe_producer") if kind == "dict" else ("producer",)
+    makers = ("producer", "pipe_producer") if kind in ("dict", "pipe") else ("producer",)
     ray.get([actors[a].make.remote(kind, nbytes) for a in makers])
     before = _registered_bytes(host_a_ip)
     columns = _columns(actors, kind)

@@ -183,22 +183,22 @@ def run_two_host_transport(
     sizes: Sequence[int],
     reps: int = 5,
     security: Security = DEFAULT_SECURITY,
-) -> str:
+) -> dict[str, dict[str, Any]]:
     """``--transport``: the tensor transports across each link (one testbed each), per
-    size, with the raw link probed (one TCP socket) for each size after its rounds."""
-    from ray_velo.bench.transport import format_transport
+    size, with the raw link probed (one TCP socket) for each size after its rounds: per link,
+    ``{"measured": measure_transports' result, "raw_s": {size: seconds}}``."""
     from ray_velo.testbed import Testbed
     from ray_velo.testbed.probes import raw_tcp
 
-    out = []
+    out = {}
     for link in links:
         sys.stderr.write(f"two-host testbed, link {link}: tensor transports\n")
         store = max(1 << 30, 6 * max(sizes))
         with Testbed(hosts=2, link=link, object_store_bytes=store, **security) as testbed:
             measured = _drive(testbed, list(sizes), reps, ["--transport"])
             raw = {size: raw_tcp(testbed, size, reps) for size in sizes}
-        out.append(format_transport(measured, f"two hosts, {link} link, UCX over tcp", raw))
-    return "\n\n".join(out)
+        out[link] = {"measured": measured, "raw_s": raw}
+    return out
 
 
 def run_two_host_fan_out(
@@ -208,16 +208,17 @@ def run_two_host_fan_out(
     reps: int = 5,
     hosts: int = 2,
     security: Security = DEFAULT_SECURITY,
-) -> str:
+) -> dict[str, dict[str, float]]:
     """``--fan-out K [--hosts N]``: one payload from host a to K readers spread round-robin
-    over hosts b, c, ... of an ``hosts``-host testbed, across each link (one testbed each).
+    over hosts b, c, ... of an ``hosts``-host testbed, across each link (one testbed each):
+    per link, what :func:`~ray_velo.bench.fanout.measure_fan_out` measured.
 
     Raises:
         ValueError: ``hosts`` below 2 or above the testbed's 26, or ``k`` below 1.
         TestbedUnavailable: this machine cannot make network namespaces (not root).
         TestbedError: a node or the driver failed.
     """
-    from ray_velo.bench.fanout import format_fan_out, hosts_text, reader_hosts
+    from ray_velo.bench.fanout import hosts_text, reader_hosts
     from ray_velo.testbed import Testbed
 
     placed = hosts_text(reader_hosts(k, hosts))
@@ -227,7 +228,7 @@ def run_two_host_fan_out(
         store = max(1 << 30, 4 * size)
         with Testbed(hosts=hosts, link=link, object_store_bytes=store, **security) as testbed:
             rows[link] = _drive(testbed, [size], reps, ["--fan-out", str(k)])
-    return format_fan_out(rows, k, size, reps, hosts)
+    return rows
 
 
 _COLUMNS = (
