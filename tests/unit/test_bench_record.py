@@ -43,9 +43,7 @@ def test_a_sitting_names_the_commit_the_machine_and_the_versions(tmp_path: Path)
         ('{"schema": 99, "shapes": {}}', "schema 99"),
     ],
 )
-def test_a_file_that_is_no_sitting_is_refused_by_name(
-    tmp_path: Path, text: str, says: str
-) -> None:
+def test_a_file_that_is_no_sitting_is_refused_by_name(tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "bad.json"
     path.write_text(text)
     with pytest.raises(SittingError, match=says) as caught:
