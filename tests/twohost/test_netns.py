@@ -50,6 +50,20 @@ def test_two_hosts_on_a_shaped_link() -> None:
     assert not set(made) & set(namespaces())
 
 
+def test_a_link_is_reshaped_in_place() -> None:
+    """One testbed measures two links (the speed guard): reshaping takes the shaping off both
+    ends, puts another rate on, and the hosts stay as they were."""
+    with Testbed(hosts=2, link="10gbit", start_ray=False) as bed:
+        made = bed.network.made
+        bed.set_link("none")
+        assert bed.link == "none"
+        assert all("tbf" not in _qdisc(host.netns) for host in bed.hosts)
+        bed.set_link("25gbit")
+        assert all("25Gbit" in _qdisc(host.netns) for host in bed.hosts)
+        assert bed.network.made == made
+        assert raw_tcp(bed, 1 << 20, reps=1) > 0
+
+
 def test_three_hosts_on_a_switch() -> None:
     """Three hosts on a bridge in a switch namespace: host a reaches host c."""
     with Testbed(hosts=3, link=None, start_ray=False) as bed:
