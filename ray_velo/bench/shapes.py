@@ -84,9 +84,11 @@ def _drive(testbed: Any, shapes: Sequence[Shape], pythonpath: str | None) -> dic
     """Run the shapes' driver on host a; its result."""
     spec = json.dumps([[s.name, s.kind, s.nbytes, s.rounds] for s in shapes])
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
+    # Ray puts the driver's working directory first on its workers' import path: in another
+    # checkout's root, its ray_velo is the one imported
     done = testbed.run(
-        [sys.executable, DRIVER, spec], env=env, timeout_s=DRIVER_TIMEOUT_S
-    )  # fmt: skip
+        [sys.executable, DRIVER, spec], env=env, timeout_s=DRIVER_TIMEOUT_S, cwd=pythonpath
+    )
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]

@@ -287,10 +287,12 @@ class Testbed:
         host: int = 0,
         env: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
+        cwd: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run a driver (``argv``, e.g. ``[sys.executable, "-m", "mod"]``) on ``host``;
         its output is captured. A driver still running at ``timeout_s`` is ended (its
-        whole namespace is ended at :meth:`close` anyway).
+        whole namespace is ended at :meth:`close` anyway). ``cwd``: its working directory
+        (Ray puts a driver's on its workers' import path).
 
         Raises:
             TestbedError: the driver timed out.
@@ -303,6 +305,7 @@ class Testbed:
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
+                cwd=cwd,
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
