@@ -59,15 +59,16 @@ GUARD_SHAPES = (
     Shape("state dict @10gbit", "10gbit", "dict", 0, 3),
     Shape("1.5 GiB unshaped", "none", "array", 1536 * MiB, 3),
 )
-#: ``ray-velo bench --two-host --shapes``: the guard's shapes with more rounds, and GiBs on
-#: both links.
+#: ``ray-velo bench --two-host --shapes``: the guard's shapes with more rounds, a steady
+#: decorated pipeline, and GiBs (3 GiB unshaped only: on this 24 GiB machine two nodes' object
+#: stores, arenas and the producer's copy of 3 GiB at both links ran it out of memory; the
+#: link's ceiling at 3 GiB is measured by ``--transfers-only``).
 BENCH_SHAPES = (
     Shape("4 MiB @10gbit", "10gbit", "array", 4 * MiB, 15),
     Shape("256 MiB @10gbit", "10gbit", "array", 256 * MiB, 7),
     Shape("state dict @10gbit", "10gbit", "dict", 0, 5),
     Shape("256 MiB decorator @10gbit", "10gbit", "pipe", 256 * MiB, 7),
     Shape("1.5 GiB @10gbit", "10gbit", "array", 1536 * MiB, 3),
-    Shape("3 GiB @10gbit", "10gbit", "array", 3 * GiB, 3),
     Shape("1.5 GiB unshaped", "none", "array", 1536 * MiB, 3),
     Shape("3 GiB unshaped", "none", "array", 3 * GiB, 3),
 )
@@ -124,7 +125,7 @@ def measure_shapes(
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
     out: dict[str, Any] = {}
     first = next(iter(groups))
-    store = max(1 << 30, 3 * biggest)
+    store = max(1 << 30, 2 * biggest)  # the payload put and its copy read (as --transfers-only)
     with Testbed(hosts=2, link=first, object_store_bytes=store, env=env, **security) as testbed:
         for link, group in groups.items():
             testbed.set_link(link)
