@@ -235,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliRefused as exc:
         print(f"ray-velo {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -166,11 +166,16 @@ def _scale(args: argparse.Namespace) -> Outcome:
     return Outcome("scale", format_scale(rows, samples), results, shapes)
 
 
-def _transport_shapes(measured: dict[str, Any], where: str) -> Shapes:
-    return {
-        f"{row['size_bytes'] // MiB} MiB tensor, {where}": dict(row["seconds"])
-        for row in measured["sizes"]
-    }
+def _transport_shapes(
+    measured: dict[str, Any], where: str, raw_s: dict[int, float] | None = None
+) -> Shapes:
+    shapes: Shapes = {}
+    for row in measured["sizes"]:
+        columns: dict[str, float | None] = {**row["seconds"]}
+        if raw_s and row["size_bytes"] in raw_s:
+            columns["raw_tcp"] = raw_s[row["size_bytes"]]
+        shapes[f"{row['size_bytes'] // MiB} MiB tensor, {where}"] = columns
+    return shapes
 
 
 def _transport(args: argparse.Namespace) -> Outcome:
@@ -247,7 +252,7 @@ def _two_host_transport(
     for link, got in per_link.items():
         where = f"two hosts, {link} link, UCX over tcp"
         texts.append(format_transport(got["measured"], where, got["raw_s"]))
-        shapes.update(_transport_shapes(got["measured"], f"@{link}"))
+        shapes.update(_transport_shapes(got["measured"], f"@{link}", got["raw_s"]))
     return Outcome("two-host transport", "\n\n".join(texts), per_link, shapes, links, "tcp")
 
 
@@ -270,6 +275,16 @@ def _compare(args: argparse.Namespace) -> int:
     try:
         first, second = (load_sitting(path) for path in args.compare)
         print(compare_sittings(first, second))
+    except SittingError as exc:
+        raise BenchRefused(str(exc)) from None
+    return 0
+
+
+def _ranges(args: argparse.Namespace) -> int:
+    from ray_velo.bench.record import SittingError, load_sitting, ranges_table
+
+    try:
+        print(ranges_table([load_sitting(path) for path in args.ranges]))
     except SittingError as exc:
         raise BenchRefused(str(exc)) from None
     return 0
@@ -322,6 +337,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     try:
         if args.compare:
             return _compare(args)
+        if args.ranges:
+            return _ranges(args)
         _preflight(args)
         if args.two_host:
             print(f"Ray on the testbed: auth {args.auth}, TLS {'on' if args.tls else 'off'}",
@@ -401,6 +418,12 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         nargs=2,
         metavar=("A.json", "B.json"),
         help="two sittings (written by --out) side by side: B's speed over A's, per shape",
+    )
+    modes.add_argument(
+        "--ranges",
+        nargs="+",
+        metavar="FILE",
+        help="sittings of one commit: per shape the range of each figure, as the README's table",
     )
     bench.add_argument(
         "--checkout",

@@ -18,7 +18,14 @@ from typing import Any
 
 from ray_velo.errors import VeloError
 
-__all__ = ["SittingError", "compare_sittings", "load_sitting", "make_sitting", "write_sitting"]
+__all__ = [
+    "SittingError",
+    "compare_sittings",
+    "load_sitting",
+    "make_sitting",
+    "ranges_table",
+    "write_sitting",
+]
 
 SCHEMA = 1
 MiB = 1 << 20
@@ -190,4 +197,67 @@ def compare_sittings(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
             velo, ray = columns.get("velo"), columns.get("ray")
             if velo and ray:
                 lines.append(f"{shape:>24} {'velo/Ray ' + side:>12} {ray / velo:>30.2f}x")
+    return "\n".join(lines)
+
+
+def _span(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    low, high = format(min(values), fmt), format(max(values), fmt)
+    return low if low == high else f"{low}-{high}"
+
+
+#: What a ranges table shows, by the kind of sitting: (label, column) of median ms, then
+#: (label, slower column, faster column) of speeds, then the column held against the raw link.
+_TABLES: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str, str], ...], str]] = {
+    "velo": (
+        (("Ray, ms", "ray"), ("ray_velo, ms", "velo")),
+        (("ray_velo / Ray", "ray", "velo"),),
+        "velo",
+    ),
+    "transport": (
+        (
+            ("Ray's store, ms", "torch_plain"),
+            ("NIXL, ms", "torch_nixl"),
+            ("VELO, ms", "torch_velo"),
+        ),
+        (("VELO / NIXL", "torch_nixl", "torch_velo"), ("VELO / Ray", "torch_plain", "torch_velo")),
+        "torch_velo",
+    ),
+}
+
+
+def ranges_table(sittings: list[Mapping[str, Any]]) -> str:
+    """The shapes the sittings share as a markdown table: per shape the range (lowest to
+    highest over the sittings) of each side's median ms, the speeds between them and
+    ray_velo's speed over the raw link (where probed). What the README quotes. Tensor
+    transport sittings show Ray's store, NIXL and VELO; the others Ray and ray_velo.
+
+    Raises:
+        SittingError: no sitting given, or they share no shape.
+    """
+    if not sittings:
+        raise SittingError("no sitting to take ranges from")
+    from ray_velo.bench.shapes import BENCH_SHAPES
+
+    columns, speeds, fast = _TABLES[
+        "transport" if str(sittings[0].get("mode", "")).endswith("transport") else "velo"
+    ]
+    order = {shape.name: i for i, shape in enumerate(BENCH_SHAPES)}  # theirs, then by name
+    shared = [s for s in sittings[0]["shapes"] if all(s in x["shapes"] for x in sittings)]
+    shapes = sorted(shared, key=lambda s: (order.get(s, len(order)), s))
+    if not shapes:
+        raise SittingError("the sittings share no shape")
+    labels = [label for label, _ in columns] + [label for label, *_ in speeds]
+    lines = [
+        "| shape | " + " | ".join(labels) + " | ray_velo / raw link |",
+        "|---|" + "---|" * (len(labels) + 1),
+    ]
+    for shape in shapes:
+        rows = [x["shapes"][shape] for x in sittings]
+        cells = [_span([r[c] * 1e3 for r in rows if r.get(c)], ".0f") for _, c in columns]
+        cells += [_span([r[a] / r[b] for r in rows if r.get(a)], ".2f") + "x" for _, a, b in speeds]
+        raw = [r["raw_tcp"] / r[fast] for r in rows if r.get("raw_tcp")]
+        cells.append(_span(raw, ".2f") if raw else "-")
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
