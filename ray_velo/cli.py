@@ -137,18 +137,23 @@ def _stop(args: argparse.Namespace) -> int:
 def _soak(args: argparse.Namespace) -> int:
     from ray_velo.bench.soak import format_soak, run_soak
 
+    if args.minutes <= 0 or args.consumers < 1:
+        raise CliRefused(
+            f"--minutes {args.minutes:g} --consumers {args.consumers}: needs a positive "
+            "duration and at least one consumer"
+        )
     result = run_soak(
         args.minutes,
         args.consumers,
         address=args.address,
         seed=args.seed,
-        progress=lambda line: print(line, flush=True),
+        progress=lambda line: print(line, file=sys.stderr if args.json else sys.stdout, flush=True),
     )
-    print(format_soak(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    print(json.dumps(result.as_dict(), indent=2) if args.json else format_soak(result))
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(result.as_dict(), f, indent=2)
-        print(f"wrote {args.json}")
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0 if result.ok else 1
 
 
@@ -191,7 +196,10 @@ def _add_soak_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     soak.add_argument("--consumers", type=int, default=8, help="consumer actors (default 8)")
     soak.add_argument("--address", help="an existing cluster (default: an embedded one)")
     soak.add_argument("--seed", type=int, default=0, help="the traffic's random seed")
-    soak.add_argument("--json", metavar="FILE", help="also write the samples and verdict")
+    soak.add_argument(
+        "--json", action="store_true", help="print the samples and verdict as JSON instead"
+    )
+    soak.add_argument("--out", metavar="FILE", help="also write the samples and verdict as JSON")
     soak.set_defaults(run=_soak)
 
 
@@ -215,7 +223,8 @@ def _add_grafana_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     grafana.set_defaults(run=_grafana)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``ray-velo``'s parser: every command and its options."""
     from ray_velo import __version__
 
     parser = _Parser(prog="ray-velo", description=__doc__.split("\n\n")[0])
@@ -229,6 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_soak_command(sub)
     _add_grafana_command(sub)
     _add_doctor_command(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

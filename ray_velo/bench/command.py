@@ -99,9 +99,17 @@ def _refusal(args: argparse.Namespace) -> str | None:
         if args.budget_mib is not None and args.budget_mib <= 0:
             return f"--budget-mib {args.budget_mib}: needs a positive number of MiB"
     if args.plot and (
-        args.two_host or args.decorator or args.calls or args.scale or args.transport
+        args.two_host
+        or args.decorator
+        or args.calls
+        or args.scale
+        or args.transport
+        or args.compare
     ):
-        return "--plot draws the default bench's curve (GB/s against size): no other mode has one"
+        return (
+            "--plot draws GB/s against size: for the default bench, and for --ranges (the "
+            "sittings' curves); no other mode has one"
+        )
     return None
 
 
@@ -284,9 +292,23 @@ def _ranges(args: argparse.Namespace) -> int:
     from ray_velo.bench.record import SittingError, load_sitting, ranges_table
 
     try:
-        print(ranges_table([load_sitting(path) for path in args.ranges]))
+        sittings = [load_sitting(path) for path in args.ranges]
+        print(ranges_table(sittings))
     except SittingError as exc:
         raise BenchRefused(str(exc)) from None
+    if args.plot:
+        from ray_velo.bench.plots import plot_sittings
+
+        codes = sorted({str(s["code"].get("commit") or "?")[:7] for s in sittings})
+        title = (
+            f"two hosts (UCX tcp over a veth link), {len(sittings)} sittings of "
+            f"{', '.join(codes)}: medians and ranges"
+        )
+        try:
+            plot_sittings(sittings, args.plot, title)
+        except ValueError as exc:
+            raise BenchRefused(str(exc)) from None
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -338,6 +360,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if args.compare:
             return _compare(args)
         if args.ranges:
+            _preflight(args)
             return _ranges(args)
         _preflight(args)
         if args.two_host:

@@ -247,12 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-ucx-raw", action="store_true", help="skip the bare UCX column")
-    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead")
+    parser.add_argument("--out", metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args(argv)
     result = run_gpu_bench(args.size_mib * MiB, args.reps, raw=not args.no_ucx_raw)
-    print(format_gpu_bench(result))
-    if args.json:
-        with open(args.json, "w") as f:
+    print(json.dumps(asdict(result), indent=2) if args.json else format_gpu_bench(result))
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(asdict(result), f, indent=2)
     return 0
 

@@ -22,7 +22,7 @@ def test_a_one_minute_soak_moves_both_paths_and_nothing_grows(tmp_path: Path) ->
     out = tmp_path / "soak.json"
     done = subprocess.run(
         [sys.executable, "-m", "ray_velo.cli", "soak", "--minutes", "1", "--consumers", "2",
-         "--json", str(out)],
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
