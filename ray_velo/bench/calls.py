@@ -11,12 +11,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray_velo.bench.progress import Progress
 from ray_velo.config import MiB
 
 __all__ = ["format_calls", "run_calls_bench"]
 
 #: Payload of the calls measured: small enough that the call, not the bytes, is the cost.
 CALL_PAYLOAD_BYTES = 1 * MiB
+#: :func:`run_calls_bench`'s progress steps: the cluster up, the own agent's calls, the
+#: calls across nodes.
+CALLS_STEPS = 3
 
 
 def _median_ms(reps: int, one: Callable[[], object]) -> float:
@@ -153,24 +157,30 @@ def run_calls_bench(reps: int = 40) -> dict[str, float]:
     import ray_velo as rv
     from ray_velo.actors.directory import find_agent
 
+    progress = Progress(CALLS_STEPS, "calls bench")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"node_a": 4}, "include_dashboard": False},
     )
     try:
-        cluster.add_node(num_cpus=2, resources={"node_b": 4})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        rv.init()
-        caller: Any = _Caller  # made an actor class below, on each node
-        on_a: Any = ray.remote(num_cpus=0, resources={"node_a": 1})(caller).remote()
-        on_b: Any = ray.remote(num_cpus=0, resources={"node_b": 1})(caller).remote()
-        ray.get([on_a.ready.remote(), on_b.ready.remote()])
-        handles = ray.get(on_a.put_many.remote(2 * reps + 3))
-        owner = find_agent(handles[0].owner_node)
-        wire = ray.get(owner.info.remote())["wire"]
-        results: dict[str, float] = ray.get(on_b.own_calls.remote(reps))
-        results.update(ray.get(on_b.remote_calls.remote(handles, owner, wire, reps)))
+        with progress:
+            progress.working("starting two local Ray nodes")
+            cluster.add_node(num_cpus=2, resources={"node_b": 4})
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+            rv.init()
+            caller: Any = _Caller  # made an actor class below, on each node
+            on_a: Any = ray.remote(num_cpus=0, resources={"node_a": 1})(caller).remote()
+            on_b: Any = ray.remote(num_cpus=0, resources={"node_b": 1})(caller).remote()
+            ray.get([on_a.ready.remote(), on_b.ready.remote()])
+            handles = ray.get(on_a.put_many.remote(2 * reps + 3))
+            owner = find_agent(handles[0].owner_node)
+            wire = ray.get(owner.info.remote())["wire"]
+            progress.step(f"two local nodes up, {len(handles)} payloads put")
+            results: dict[str, float] = ray.get(on_b.own_calls.remote(reps))
+            progress.step("calls to the own agent (ping, stage_reserve, local_acquire)")
+            results.update(ray.get(on_b.remote_calls.remote(handles, owner, wire, reps)))
+            progress.step("calls across nodes (fetch_remote, the owner's handler)")
         return results
     finally:
         try:

@@ -24,6 +24,7 @@ from ray_velo.bench.actors import (
     transfer_round,
     transport_text,
 )
+from ray_velo.bench.progress import Progress
 
 MiB = 1 << 20
 
@@ -172,15 +173,6 @@ def raw_pair(
 # --- the runs ----------------------------------------------------------------------------
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
-    sys.stderr.flush()
-    if done == total:
-        sys.stderr.write("\n")
-
-
 def default_sizes(shm_free_bytes: int) -> list[int]:
     """1 MiB ... 1 GiB, keeping what fits this machine's /dev/shm several times over."""
     sizes = [MiB * s for s in (1, 4, 16, 64, 256, 1024)]
@@ -194,31 +186,59 @@ def run_bench(
     config: Any = None,
     with_ucx_raw: bool = True,
     latency: dict[int, dict[str, float | None]] | None = None,
-    progress: Callable[[int, int, str], None] = _progress,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> list[BenchRow]:
     """Measure every column for every size, side by side, in one run; given a ``latency``
-    dict, also fill it with the mid-size latency medians (size -> column -> seconds)."""
+    dict, also fill it with the mid-size latency medians (size -> column -> seconds).
 
+    Progress: a :class:`~ray_velo.bench.progress.Progress` on stderr, one step per round (and
+    per latency and raw UCX probe); a ``progress(done, total, label)`` callable instead, if
+    given."""
+    steps = bench_steps(len(sizes), reps, latency=latency is not None, ucx_raw=with_ucx_raw)
+    if progress is None:
+        with Progress(steps, "same-host bench") as bar:
+            return _run_bench(sizes, reps, config, with_ucx_raw, latency, bar.step, bar.write)
+    report, done = progress, 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        report(min(done, steps), steps, label)
+
+    def warn(text: str) -> None:
+        sys.stderr.write(text + "\n")
+
+    return _run_bench(sizes, reps, config, with_ucx_raw, latency, tick, warn)
+
+
+def bench_steps(sizes: int, reps: int, *, latency: bool, ucx_raw: bool) -> int:
+    """How many progress steps :func:`run_bench` counts: a round per rep and warm-up per
+    size, the latency probe, a raw UCX probe per size."""
+    return sizes * (reps + 1) + int(latency) + (sizes if ucx_raw else 0)
+
+
+def _run_bench(
+    sizes: Sequence[int],
+    reps: int,
+    config: Any,
+    with_ucx_raw: bool,
+    latency: dict[int, dict[str, float | None]] | None,
+    tick: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> list[BenchRow]:
     largest = max(sizes)
     cluster = _Cluster(object_store_bytes=max(512 * MiB, 3 * largest), config=config)
     rows: list[BenchRow] = []
-    steps = len(sizes) * (reps + 1) + (len(sizes) if with_ucx_raw else 0)
-    step = 0
-
-    def tick(label: str) -> None:
-        nonlocal step
-        step += 1
-        progress(step, steps, label)
-
     try:
         for size in sizes:
-            rows.append(_measure_size(cluster, size, reps, lambda label: tick(label)))
+            rows.append(_measure_size(cluster, size, reps, tick))
         if latency is not None:
             latency.update(
                 measure_latency(
                     cluster.producer, cluster.consumer, {"node_a": 1}, {"node_b": 1}, LATENCY_REPS
                 )
             )
+            tick("latency")
     finally:
         cluster.close()
     if with_ucx_raw:
@@ -226,7 +246,7 @@ def run_bench(
             try:
                 row.seconds["ucx_raw"] = ucx_raw_get(row.size_bytes, reps)
             except Exception as exc:  # the ceiling is informative, never fatal
-                sys.stderr.write(f"\nraw UCX GET unavailable: {exc}\n")
+                warn(f"raw UCX GET unavailable: {exc}")
             tick(f"raw UCX {row.size_bytes // MiB} MiB")
     return rows
 
@@ -243,7 +263,7 @@ def _measure_size(cluster: _Cluster, size: int, reps: int, tick: Callable[[str],
     measured = medians(
         reps,
         lambda: transfer_round(cluster.producer, cluster.consumer, plain=True),
-        lambda rep: tick(f"{size // MiB} MiB rep {rep}"),
+        lambda rep: tick(f"{size // MiB} MiB " + (f"rep {rep}" if rep else "warm-up")),
     )
     row = BenchRow(size)
     for column, name in _COLUMN_OF.items():
@@ -390,13 +410,18 @@ def run_decorator_bench(size_bytes: int = 256 * MiB, reps: int = 5) -> dict[str,
         tasks = {"ray": plain_task, "velo": velo_task}
         seconds: dict[str, list[float]] = {"ray": [], "velo": []}
         results: dict[str, set[int]] = {"ray": set(), "velo": set()}
-        for rep in range(reps + 1):  # the first round warms up
-            for name in ("ray", "velo"):
-                started = time.perf_counter()
-                value = ray.get(tasks[name].remote(producers[name].batch.remote()))
-                if rep:
-                    seconds[name].append(time.perf_counter() - started)
-                results[name].add(value)
+        with Progress(reps + 1, "decorator bench") as progress:
+            for rep in range(reps + 1):  # the first round warms up
+                took = {}
+                for name in ("ray", "velo"):
+                    started = time.perf_counter()
+                    value = ray.get(tasks[name].remote(producers[name].batch.remote()))
+                    took[name] = time.perf_counter() - started
+                    if rep:
+                        seconds[name].append(took[name])
+                    results[name].add(value)
+                times = ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in took.items())
+                progress.step(f"{'round ' + str(rep) if rep else 'warm-up'}: {times}")
         same = results["ray"] == results["velo"] and len(results["ray"]) == 1
     finally:
         cluster.close()
@@ -423,17 +448,18 @@ def run_transport_bench(sizes: list[int], reps: int = 5) -> dict[str, Any]:
     """The tensor transports (``tensor_transport="VELO"`` and ``"VELO_NUMPY"``, NIXL where
     installed) against Ray's object store, actor to actor across the two local nodes
     (:func:`~ray_velo.bench.transport.measure_transports`' result)."""
-    from ray_velo.bench.transport import measure_transports
+    from ray_velo.bench.transport import STEPS_PER_SIZE, measure_transports
 
     cluster = _Cluster(object_store_bytes=max(1 << 30, 6 * max(sizes)))
     try:
-        result = measure_transports(
-            {"resources": {"node_a": 1}},
-            {"resources": {"node_b": 1}},
-            sizes,
-            reps,
-            tick=lambda text: _progress(0, 1, text),
-        )
+        with Progress(STEPS_PER_SIZE * len(sizes), "transport bench") as progress:
+            result = measure_transports(
+                {"resources": {"node_a": 1}},
+                {"resources": {"node_b": 1}},
+                sizes,
+                reps,
+                tick=progress.step,
+            )
     finally:
         cluster.close()
     return result

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ray_velo.bench.progress import Progress
+
 __all__ = ["ScaleRow", "format_scale", "run_scale_bench"]
 
 #: Live handle counts measured.
@@ -115,15 +117,18 @@ def run_scale_bench(counts: tuple[int, ...] = COUNTS, samples: int = 200) -> lis
         node_a, _ = ray.get([on_a.ready.remote(), on_b.ready.remote()])
         base_heap = _agent_heap(node_a)
         rows = []
-        for count in counts:
-            ray.get(on_a.fill_to.remote(count), timeout=3600)
-            gc.collect()
-            row = ScaleRow(count)
-            row.seconds = ray.get(on_a.time_local.remote(samples), timeout=600)
-            handles = ray.get(on_a.stage.remote(samples), timeout=600)
-            row.seconds["remote"] = ray.get(on_b.time_fetches.remote(handles), timeout=600)
-            row.heap_bytes_per_handle = (_agent_heap(node_a) - base_heap) / count
-            rows.append(row)
+        with Progress(len(counts), "scale bench") as progress:
+            for count in counts:
+                progress.working(f"filling node a to {count:,} live handles")
+                ray.get(on_a.fill_to.remote(count), timeout=3600)
+                gc.collect()
+                row = ScaleRow(count)
+                row.seconds = ray.get(on_a.time_local.remote(samples), timeout=600)
+                handles = ray.get(on_a.stage.remote(samples), timeout=600)
+                row.seconds["remote"] = ray.get(on_b.time_fetches.remote(handles), timeout=600)
+                row.heap_bytes_per_handle = (_agent_heap(node_a) - base_heap) / count
+                rows.append(row)
+                progress.step(f"{count:,} live handles")
         return rows
     finally:
         cluster.close()

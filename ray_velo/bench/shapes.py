@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ray_velo.bench.progress import Progress
 from ray_velo.testbed.errors import TestbedError
 from ray_velo.testbed.security import DEFAULT_SECURITY, Security
 
@@ -126,18 +127,22 @@ def measure_shapes(
     out: dict[str, Any] = {}
     first = next(iter(groups))
     store = max(1 << 30, 2 * biggest)  # the payload put and its copy read (as --transfers-only)
-    with Testbed(hosts=2, link=first, object_store_bytes=store, env=env, **security) as testbed:
-        for link, group in groups.items():
-            testbed.set_link(link)
-            sys.stderr.write(f"two-host testbed, link {link}: {', '.join(s.name for s in group)}\n")
-            measured = _drive(testbed, group, pythonpath)["shapes"]
-            for shape in group:
-                row = measured[shape.name]
-                if raw_link and shape.kind != "dict":
-                    row["seconds"]["raw_tcp"] = [raw_tcp(testbed, shape.nbytes, 3)]
-                out[shape.name] = {
-                    "link": link, "kind": shape.kind, "bytes": shape.nbytes, **row
-                }  # fmt: skip
+    with Progress(len(groups), "shapes bench") as progress:
+        progress.working(f"starting the two-host testbed (link {first})")
+        with Testbed(hosts=2, link=first, object_store_bytes=store, env=env, **security) as testbed:
+            for link, group in groups.items():
+                testbed.set_link(link)
+                names = ", ".join(s.name for s in group)
+                progress.working(f"link {link}: {names}")
+                measured = _drive(testbed, group, pythonpath)["shapes"]
+                for shape in group:
+                    row = measured[shape.name]
+                    if raw_link and shape.kind != "dict":
+                        row["seconds"]["raw_tcp"] = [raw_tcp(testbed, shape.nbytes, 3)]
+                    out[shape.name] = {
+                        "link": link, "kind": shape.kind, "bytes": shape.nbytes, **row
+                    }  # fmt: skip
+                progress.step(f"link {link}: {names}")
     return {"shapes": out}
 
 

@@ -17,6 +17,9 @@ MiB = 1 << 20
 NIXL_WARM_UPS = 2
 #: How long the round after a fresh pair waits for that pair's processes to exit.
 PAIR_EXIT_BOUND_S = 30.0
+#: ``tick`` calls per size in :func:`measure_transports`: the torch columns interleaved, then
+#: the numpy and fresh-actor blocks.
+STEPS_PER_SIZE = 2
 
 __all__ = ["format_transport", "measure_transports"]
 
@@ -99,7 +102,8 @@ def measure_transports(
     tick: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Per size, medians (seconds) per column, on the connected Ray cluster (``rv.init``
-    done): ``{"sizes": [{"size_bytes", "seconds", "consistent"}, ...], "reps", "nixl"}``."""
+    done): ``{"sizes": [{"size_bytes", "seconds", "consistent"}, ...], "reps", "nixl"}``.
+    ``tick(label)`` after each of a size's :data:`STEPS_PER_SIZE` blocks (progress)."""
     import ray
 
     import ray_velo as rv
