@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["plot_sittings"]
@@ -29,7 +29,7 @@ _STYLE = {"ray_velo": "C0", "ray_velo (VELO)": "C0", "Ray's object store": "C3",
 
 
 def _points(
-    sittings: list[Mapping[str, Any]],
+    sittings: Sequence[Mapping[str, Any]],
 ) -> dict[str, dict[str, dict[float, list[float]]]]:
     """``{link: {label: {MiB: [GB/s per sitting]}}}`` of every sized shape."""
     out: dict[str, dict[str, dict[float, list[float]]]] = {}
@@ -48,7 +48,7 @@ def _points(
     return out
 
 
-def plot_sittings(sittings: list[Mapping[str, Any]], path: str, title: str) -> None:
+def plot_sittings(sittings: Sequence[Mapping[str, Any]], path: str, title: str) -> None:
     """A PNG at ``path``: GB/s against payload size, a panel per link.
 
     Raises:

@@ -13,7 +13,7 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ray_velo.errors import VeloError
@@ -208,12 +208,13 @@ def _span(values: list[float], fmt: str) -> str:
 
 
 #: What a ranges table shows, by the kind of sitting: (label, column) of median ms, then
-#: (label, slower column, faster column) of speeds, then the column held against the raw link.
-_TABLES: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str, str], ...], str]] = {
+#: (label, slower column, faster column, unit) of speeds: the faster's over the slower's.
+_Columns = tuple[tuple[str, str], ...]
+_Speeds = tuple[tuple[str, str, str, str], ...]
+_TABLES: dict[str, tuple[_Columns, _Speeds]] = {
     "velo": (
         (("Ray, ms", "ray"), ("ray_velo, ms", "velo")),
-        (("ray_velo / Ray", "ray", "velo"),),
-        "velo",
+        (("ray_velo / Ray", "ray", "velo", "x"), ("ray_velo / raw link", "raw_tcp", "velo", "")),
     ),
     "transport": (
         (
@@ -221,17 +222,36 @@ _TABLES: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str, str]
             ("NIXL, ms", "torch_nixl"),
             ("VELO, ms", "torch_velo"),
         ),
-        (("VELO / NIXL", "torch_nixl", "torch_velo"), ("VELO / Ray", "torch_plain", "torch_velo")),
-        "torch_velo",
+        (
+            ("VELO / NIXL", "torch_nixl", "torch_velo", "x"),
+            ("VELO / Ray", "torch_plain", "torch_velo", "x"),
+            ("VELO / raw link", "raw_tcp", "torch_velo", ""),
+        ),
+    ),
+    "two-host": (
+        (("Ray, ms", "ray"), ("`rv.put`, ms", "velo"), ("built in place, ms", "velo_built")),
+        (
+            ("`rv.put` / Ray", "ray", "velo", "x"),
+            ("`rv.put` / raw link", "raw_tcp", "velo", ""),
+            ("built / raw link", "raw_tcp", "velo_built", ""),
+        ),
     ),
 }
 
 
-def ranges_table(sittings: list[Mapping[str, Any]]) -> str:
+def _table_kind(sitting: Mapping[str, Any]) -> str:
+    mode = str(sitting.get("mode", ""))
+    if mode.endswith("transport"):
+        return "transport"
+    return "two-host" if mode == "two-host" else "velo"
+
+
+def ranges_table(sittings: Sequence[Mapping[str, Any]]) -> str:
     """The shapes the sittings share as a markdown table: per shape the range (lowest to
-    highest over the sittings) of each side's median ms, the speeds between them and
-    ray_velo's speed over the raw link (where probed). What the README quotes. Tensor
-    transport sittings show Ray's store, NIXL and VELO; the others Ray and ray_velo.
+    highest over the sittings) of each side's median ms and the speeds between them (and
+    over the raw link, where probed). What the README quotes. Tensor-transport sittings show
+    Ray's store, NIXL and VELO; ``--two-host`` ones ``rv.put`` and the array built in place;
+    the others Ray and ray_velo.
 
     Raises:
         SittingError: no sitting given, or they share no shape.
@@ -240,24 +260,19 @@ def ranges_table(sittings: list[Mapping[str, Any]]) -> str:
         raise SittingError("no sitting to take ranges from")
     from ray_velo.bench.shapes import BENCH_SHAPES
 
-    columns, speeds, fast = _TABLES[
-        "transport" if str(sittings[0].get("mode", "")).endswith("transport") else "velo"
-    ]
+    columns, speeds = _TABLES[_table_kind(sittings[0])]
     order = {shape.name: i for i, shape in enumerate(BENCH_SHAPES)}  # theirs, then by name
     shared = [s for s in sittings[0]["shapes"] if all(s in x["shapes"] for x in sittings)]
     shapes = sorted(shared, key=lambda s: (order.get(s, len(order)), s))
     if not shapes:
         raise SittingError("the sittings share no shape")
     labels = [label for label, _ in columns] + [label for label, *_ in speeds]
-    lines = [
-        "| shape | " + " | ".join(labels) + " | ray_velo / raw link |",
-        "|---|" + "---|" * (len(labels) + 1),
-    ]
+    lines = ["| shape | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for shape in shapes:
         rows = [x["shapes"][shape] for x in sittings]
         cells = [_span([r[c] * 1e3 for r in rows if r.get(c)], ".0f") for _, c in columns]
-        cells += [_span([r[a] / r[b] for r in rows if r.get(a)], ".2f") + "x" for _, a, b in speeds]
-        raw = [r["raw_tcp"] / r[fast] for r in rows if r.get("raw_tcp")]
-        cells.append(_span(raw, ".2f") if raw else "-")
+        for _, slow, fast, unit in speeds:
+            ratios = [r[slow] / r[fast] for r in rows if r.get(slow) and r.get(fast)]
+            cells.append(_span(ratios, ".2f") + unit if ratios else "-")
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
