@@ -98,17 +98,10 @@ def _refusal(args: argparse.Namespace) -> str | None:
             return "--budget-mib and --transfers-only go with --two-host alone"
         if args.budget_mib is not None and args.budget_mib <= 0:
             return f"--budget-mib {args.budget_mib}: needs a positive number of MiB"
-    if args.plot and (
-        args.two_host
-        or args.decorator
-        or args.calls
-        or args.scale
-        or args.transport
-        or args.compare
-    ):
+    if args.plot and (args.decorator or args.calls or args.scale or args.compare or args.fan_out):
         return (
-            "--plot draws GB/s against size: for the default bench, and for --ranges (the "
-            "sittings' curves); no other mode has one"
+            "--plot draws GB/s against payload size: the default bench, --transport, --two-host "
+            "(with --shapes or --transport too) and --ranges have that curve; this mode has none"
         )
     return None
 
@@ -384,6 +377,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
         write_sitting(args.out, sitting)
         print(f"wrote {args.out}", file=sys.stderr)
     if args.plot:
+        if outcome.mode != "same-host":  # that one drew its own, with every column
+            from ray_velo.bench.plots import plot_sittings
+
+            try:
+                plot_sittings([sitting], args.plot, f"ray-velo bench, {outcome.mode}: one sitting")
+            except ValueError as exc:
+                print(f"ray-velo bench: --plot: {exc}", file=sys.stderr)
+                return 1
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 

@@ -14,9 +14,13 @@ __all__ = ["plot_sittings"]
 
 MiB = 1 << 20
 #: A shape named by its size and link: "256 MiB @10gbit", "1.5 GiB unshaped",
-#: "16 MiB tensor, @none".
-_SIZED = re.compile(r"^([\d.]+) (MiB|GiB)(?: tensor,)? @?(\w+)$")
-_LINK_NAMES = {"none": "unshaped link", "unshaped": "unshaped link"}
+#: "16 MiB tensor, @none", "4 MiB tensor, local nodes".
+_SIZED = re.compile(r"^([\d.]+) (MiB|GiB)(?: tensor,)? @?(\d+[gm]bit|none|unshaped|local nodes)$")
+_LINK_NAMES = {
+    "none": "unshaped link",
+    "unshaped": "unshaped link",
+    "local nodes": "two local nodes (UCX cma)",
+}
 _LABELS = {
     "ray": "Ray's object store",
     "torch_plain": "Ray's object store",

@@ -128,3 +128,34 @@ def test_json_is_one_meaning_a_sitting_on_stdout(tmp_path: Path) -> None:
     args = parser.parse_args(["bench", "--json", "--out", str(tmp_path / "s.json")])
     assert args.json is True and args.out == str(tmp_path / "s.json")
     json.dumps(vars(args), default=str)
+
+
+def test_ranges_plot_draws_the_sittings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ranges FILES --plot PNG``: the table on stdout and a PNG of GB/s against size (a
+    panel per link) from sittings whose shapes are named by size and link."""
+    files = []
+    for n, velo_s in enumerate((0.25, 0.30)):
+        path = tmp_path / f"s{n}.json"
+        shapes = {
+            "16 MiB @10gbit": {"velo": velo_s / 16, "ray": 0.1, "raw_tcp": 0.014},
+            "256 MiB @10gbit": {"velo": velo_s, "ray": 0.5, "raw_tcp": 0.22},
+            "256 MiB unshaped": {"velo": velo_s / 2, "ray": 0.4},
+        }
+        write_sitting(str(path), make_sitting("shapes", {}, shapes))
+        files.append(str(path))
+    png = tmp_path / "curve.png"
+    assert cli.main(["bench", "--ranges", *files, "--plot", str(png)]) == 0
+    assert "| 256 MiB @10gbit |" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_of_sittings_without_sizes_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.json"
+    write_sitting(str(path), sitting(0.5, 1.0, "state dict @10gbit"))
+    status = cli.main(
+        ["bench", "--ranges", str(path), str(path), "--plot", str(tmp_path / "x.png")]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and "no shape" in err and len(err.strip().splitlines()) == 1
