@@ -333,6 +333,14 @@ def _preflight(args: argparse.Namespace) -> None:
             check_privileges()
         except TestbedUnavailable as exc:
             raise BenchRefused(f"--two-host: {exc}") from None
+    if args.transport and not args.without_nixl:
+        from ray_velo.bench.transport import nixl_available
+
+        if not nixl_available():
+            raise BenchRefused(
+                "--transport measures VELO beside Ray's NIXL, which is not installed here: "
+                "pip install 'ray-velo[nixl]', or add --without-nixl"
+            )
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -448,6 +456,11 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         nargs="+",
         metavar="FILE",
         help="sittings of one commit: per shape the range of each figure, as the README's table",
+    )
+    bench.add_argument(
+        "--without-nixl",
+        action="store_true",
+        help="with --transport: go on where NIXL is not installed (no NIXL column)",
     )
     bench.add_argument(
         "--checkout",

@@ -90,7 +90,8 @@ class _FreshPair(NamedTuple):
     processes: list[tuple[str, int]]
 
 
-def _nixl_available() -> bool:
+def nixl_available() -> bool:
+    """Whether Ray's NIXL transport can be measured here (the ``nixl`` package is installed)."""
     return importlib.util.find_spec("nixl") is not None
 
 
@@ -109,7 +110,7 @@ def measure_transports(
     import ray_velo as rv
 
     rv.register_transports()
-    with_nixl = _nixl_available()
+    with_nixl = nixl_available()
     producer_cls, consumer_cls = _classes(with_nixl)
     # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
     make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]

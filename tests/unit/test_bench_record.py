@@ -91,6 +91,10 @@ def test_the_cli_compares_two_sitting_files(
         (["bench", "--out", "/nonexistent/dir/s.json", "--sizes", "1"], "cannot write"),
         (["bench", "--two-host", "--link", "fast"], "link rate 'fast'"),
         (["nonsense"], "invalid choice"),
+        (
+            ["bench", "--transport", "--without-nixl", "--plot", "/nonexistent/x.png"],
+            "cannot write",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(
@@ -159,3 +163,15 @@ def test_a_plot_of_sittings_without_sizes_is_refused_in_one_line(
     )
     err = capsys.readouterr().err
     assert status == 2 and "no shape" in err and len(err.strip().splitlines()) == 1
+
+
+def test_transport_without_nixl_is_refused_unless_asked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where NIXL is not installed, ``--transport`` (VELO beside NIXL) says so in one line
+    and names both ways on; nothing runs."""
+    monkeypatch.setattr("ray_velo.bench.transport.nixl_available", lambda: False)
+    assert cli.main(["bench", "--transport", "--sizes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "ray-velo[nixl]" in err and "--without-nixl" in err
+    assert len(err.strip().splitlines()) == 1
