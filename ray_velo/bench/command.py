@@ -417,6 +417,41 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     bench.add_argument(
         "--no-ucx-raw", action="store_true", help="skip the raw ceilings (UCX GET, TCP socket)"
     )
+    _add_modes(bench)
+    bench.add_argument(
+        "--without-nixl",
+        action="store_true",
+        help="with --transport: go on where NIXL is not installed (no NIXL column)",
+    )
+    bench.add_argument(
+        "--checkout",
+        metavar="DIR",
+        help="with --two-host --shapes: measure the ray_velo of another checkout (its root; "
+        "its compiled UCX binding built in place), to compare commits in sittings",
+    )
+    bench.add_argument(
+        "--fan-out",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --two-host: one payload from host a to K readers at once (on host b, or "
+        "round-robin over b, c, ... with --hosts), Ray vs ray_velo",
+    )
+    bench.add_argument(
+        "--hosts",
+        type=int,
+        metavar="N",
+        help="with --two-host --fan-out: emulate N hosts (default 2): the producer on a, "
+        "the K readers round-robin over b, c, ...",
+    )
+    _add_two_host_options(bench)
+    bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
+    bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
+    bench.set_defaults(run=run_bench_command)
+
+
+def _add_modes(bench: argparse.ArgumentParser) -> None:
+    """The bench's modes: at most one per run."""
     modes = bench.add_mutually_exclusive_group()
     modes.add_argument(
         "--decorator",
@@ -457,36 +492,6 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="FILE",
         help="sittings of one commit: per shape the range of each figure, as the README's table",
     )
-    bench.add_argument(
-        "--without-nixl",
-        action="store_true",
-        help="with --transport: go on where NIXL is not installed (no NIXL column)",
-    )
-    bench.add_argument(
-        "--checkout",
-        metavar="DIR",
-        help="with --two-host --shapes: measure the ray_velo of another checkout (its root; "
-        "its compiled UCX binding built in place), to compare commits in sittings",
-    )
-    bench.add_argument(
-        "--fan-out",
-        type=int,
-        default=0,
-        metavar="K",
-        help="with --two-host: one payload from host a to K readers at once (on host b, or "
-        "round-robin over b, c, ... with --hosts), Ray vs ray_velo",
-    )
-    bench.add_argument(
-        "--hosts",
-        type=int,
-        metavar="N",
-        help="with --two-host --fan-out: emulate N hosts (default 2): the producer on a, "
-        "the K readers round-robin over b, c, ...",
-    )
-    _add_two_host_options(bench)
-    bench.add_argument("--chunk-mib", type=float, help="chunked path: chunk size in MiB")
-    bench.add_argument("--in-flight", type=int, help="chunked path: pulls in flight")
-    bench.set_defaults(run=run_bench_command)
 
 
 def _add_two_host_options(bench: argparse.ArgumentParser) -> None:

@@ -43,6 +43,18 @@ def _node_budget(shm_dir: str) -> int:
     return default_budget(memory, stat.f_blocks * stat.f_frsize)
 
 
+def _spare_policy(pool_config: RdmaPoolConfig, budget: int) -> SparePolicy:
+    """The spare-arena rule of a pool with ``budget`` registered bytes (docs/tuning.md)."""
+    spare_max = pool_config.spare_arena_max_bytes
+    if spare_max is None:
+        spare_max = max(budget // 8, pool_config.dedicated_arena_min)
+    return SparePolicy(
+        repeat_window_s=pool_config.spare_repeat_window,
+        max_bytes=spare_max,
+        warm_limit_bytes=pool_config.warm_dedicated_bytes or 0,
+    )
+
+
 class NodeMemory:
     """The pools and budget of one agent.
 
@@ -106,14 +118,7 @@ class NodeMemory:
         self._seen_lock = threading.Lock()
         self._warm_up_allowed = pool_config.warm_up_after_miss
         self._dedicated_min = pool_config.dedicated_arena_min
-        spare_max = pool_config.spare_arena_max_bytes
-        if spare_max is None:
-            spare_max = max(budget // 8, pool_config.dedicated_arena_min)
-        self._spares = SparePolicy(
-            repeat_window_s=pool_config.spare_repeat_window,
-            max_bytes=spare_max,
-            warm_limit_bytes=pool_config.warm_dedicated_bytes or 0,
-        )
+        self._spares = _spare_policy(pool_config, budget)
         self._warm_up_wanted: set[tuple[bool, int, bool]] = set()  # (registered, bytes, spare)
         self._warm_up_lock = threading.Lock()
         if self._warm_up_allowed:
