@@ -17,7 +17,7 @@ MiB = 1 << 20
 @contextmanager
 def two_nodes() -> Iterator[None]:
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        ray.init(runtime_env=rv.runtime_env())  # every worker knows the VELO transports
         rv.init()
         yield
         rv.shutdown()
@@ -29,7 +29,7 @@ def two_nodes() -> Iterator[None]:
         head_node_args={"num_cpus": 2, "resources": {"a": 4}, "include_dashboard": False},
     )
     cluster.add_node(num_cpus=2, resources={"b": 4})
-    ray.init(address=cluster.address, log_to_driver=False)
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env=rv.runtime_env())
     rv.init()
     try:
         yield

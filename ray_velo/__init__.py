@@ -66,7 +66,9 @@ if TYPE_CHECKING:
         register_data_in_region,
         register_data_pinned,
         release,
+        runtime_env,
         shutdown,
+        worker_setup,
     )
     from ray_velo.rdt import register_transports
     from ray_velo.staging import (
@@ -90,7 +92,8 @@ _LAZY = {
             "ray_velo.api",
             "PinnedBuf PinnedWriter RegionGuard SendBuffer alloc_pinned_writer alloc_region detach"
             " empty fetch get get_into get_pinned init is_initialized metadata put ref_handle"
-            " register_data register_data_in_region register_data_pinned release shutdown",
+            " register_data register_data_in_region register_data_pinned release runtime_env shutdown"
+            " worker_setup",
         ),
     )
     for name in names.split()
@@ -153,8 +156,10 @@ __all__ = [
     "release",
     "resolve",
     "resolve_stream",
+    "runtime_env",
     "shutdown",
     "transfer",
+    "worker_setup",
 ]
 
 
@@ -173,11 +178,12 @@ def __dir__() -> list[str]:
 
 if "ray" in sys.modules:
     # Ray checks a tensor_transport name when @ray.method(tensor_transport="VELO") runs,
-    # which is at class definition, usually before rv.init(): a program that imported Ray
-    # (and torch, for "VELO") before ray_velo gets the transports registered now.
+    # which is at class definition, usually before rv.init(), and in a worker at ray.put or
+    # when it submits an RDT call: a process that imported Ray before ray_velo gets the
+    # transports registered now ("VELO" once torch is imported).
     try:
-        from ray_velo.rdt import register_transports as _register_transports
+        from ray_velo.rdt import worker_setup as _worker_setup
 
-        _register_transports(import_torch=False)
+        _worker_setup()
     except Exception:  # never fail an import over an optional integration
         logging.getLogger(__name__).debug("tensor transports not registered", exc_info=True)

@@ -23,6 +23,8 @@ __all__ = [
     "has_tensor_transport",
     "in_detached_actor",
     "in_rdt_queued_transfer_callback",
+    "is_worker_process",
+    "job_setup_hook",
     "kv_delete",
     "kv_exists",
     "kv_get",
@@ -115,6 +117,19 @@ def _global_worker() -> Any:
     from ray._private.worker import global_worker
 
     return global_worker
+
+
+def is_worker_process() -> bool:
+    """Whether this process is a Ray worker (a task or actor), not a driver."""
+    worker = _global_worker()
+    return bool(worker.mode == ray._private.worker.WORKER_MODE)
+
+
+def job_setup_hook() -> str | None:
+    """The ``worker_process_setup_hook`` of this process's job (its import path, or the
+    callable's name), None without one."""
+    hook = ray.get_runtime_context().runtime_env.get("worker_process_setup_hook")
+    return None if hook is None else str(hook)
 
 
 def in_detached_actor() -> bool:

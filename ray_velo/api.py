@@ -62,7 +62,9 @@ __all__ = [
     "register_data_in_region",
     "register_data_pinned",
     "release",
+    "runtime_env",
     "shutdown",
+    "worker_setup",
 ]
 
 _log = logging.getLogger(__name__)
@@ -75,18 +77,25 @@ def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
     register the ``"VELO"`` / ``"VELO_NUMPY"`` tensor transports with Ray (call it before
     creating the actors that use them).
 
-    Without a running Ray, this starts an embedded local cluster (``ray.init(**kwargs)``);
-    with one (``ray.init(address=...)`` first, or inside a task) it joins it. Tasks never
-    need to call ``init``: they find their node's agent on first use, and a node that joins
+    Without a running Ray, this starts an embedded local cluster (``ray.init(**kwargs)``,
+    its runtime env given :func:`runtime_env`'s setup hook so that every worker of the job
+    knows the transports); with one (``ray.init(address=...)`` first, or inside a task) it
+    joins it, and says in a warning when that job's workers lack the hook. Tasks never need
+    to call ``init``: they find their node's agent on first use, and a node that joins
     later gets its agent then.
 
     Raises:
         ConfigError: ``config`` breaks a rule.
+        ValueError: ``runtime_env`` has a setup hook of its own (call :func:`worker_setup`
+            from it, and pass the env through :func:`runtime_env` to say so).
     """
     global _started_ray
     if not ray.is_initialized():
+        ray_init_kwargs["runtime_env"] = runtime_env(ray_init_kwargs.get("runtime_env"))
         ray.init(**ray_init_kwargs)
         _started_ray = True
+    else:
+        _warn_without_setup_hook()
     if config is not None or not cluster_config_stored():
         # A second driver's bare init() must not reset the cluster's config to defaults.
         store_cluster_config(config or VeloConfig())
@@ -104,6 +113,68 @@ def init(config: VeloConfig | None = None, **ray_init_kwargs: Any) -> None:
             "and @ray_velo.transfer work as on any Ray",
             _ray.version_text(),
             _ray.version_text(_ray.RDT_MIN_VERSION),
+        )
+
+
+def runtime_env(env: dict[str, Any] | None = None, *, own_hook: bool = False) -> dict[str, Any]:
+    """A Ray runtime env (``env``'s entries, if given) whose every worker process registers
+    the ``VELO`` tensor transports before it runs user code, for a ``ray.init`` that comes
+    before :func:`init`: ``ray.init(runtime_env=rv.runtime_env())``. On a Ray without tensor
+    transports, ``env`` unchanged.
+
+    Args:
+        env: the job's runtime env otherwise.
+        own_hook: ``env``'s ``worker_process_setup_hook`` calls :func:`worker_setup` itself
+            (Ray takes one hook a job): keep it.
+
+    Raises:
+        ValueError: ``env`` has a setup hook of its own and ``own_hook`` is False.
+    """
+    merged = dict(env or {})
+    if not _ray.has_tensor_transport() or own_hook:
+        return merged
+    from ray_velo.rdt import WORKER_SETUP_HOOK
+
+    hook = merged.get("worker_process_setup_hook")
+    if hook not in (None, WORKER_SETUP_HOOK):
+        raise ValueError(
+            f"the runtime env has a worker_process_setup_hook of its own ({hook!r}) and Ray "
+            "takes one: call ray_velo.worker_setup() from it, and pass own_hook=True"
+        )
+    merged["worker_process_setup_hook"] = WORKER_SETUP_HOOK
+    return merged
+
+
+def worker_setup() -> None:
+    """Register the tensor transports in this process, as every worker of a job started with
+    :func:`runtime_env` does before it runs user code; for a setup hook of the job's own.
+    Nothing on a Ray without tensor transports."""
+    if _ray.has_tensor_transport():
+        from ray_velo.rdt import worker_setup as register_here
+
+        register_here()
+
+
+def _warn_without_setup_hook() -> None:
+    """A driver whose own ray.init came first, without ray_velo's setup hook: say what
+    fails and the one line that fixes it."""
+    if not _ray.has_tensor_transport() or _ray.is_worker_process():
+        return
+    from ray_velo.rdt import WORKER_SETUP_HOOK
+
+    hook = _ray.job_setup_hook()
+    if hook is not None:  # ours, or the job's own (which may call worker_setup)
+        _log.debug(
+            "ray_velo: the job's worker setup hook is %s (ours: %s)", hook, WORKER_SETUP_HOOK
+        )
+    else:
+        _log.warning(
+            "ray_velo: this job's workers do not register the VELO tensor transports at "
+            'start: ray.put(..., _tensor_transport="VELO") in an actor, or an RDT call '
+            'submitted by an actor that did not create its actors, fails with "Invalid '
+            'tensor transport: VELO". Start Ray with '
+            "ray.init(runtime_env=ray_velo.runtime_env()) (or call "
+            "ray_velo.worker_setup() from your own worker_process_setup_hook)."
         )
 
 

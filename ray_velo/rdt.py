@@ -3,6 +3,7 @@ lifetimes, streaming and devices: docs/transports.md."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import logging
 import math
@@ -25,10 +26,12 @@ from ray_velo.writable import alloc_pinned_writer, fetched_pinned_writer
 __all__ = [
     "VELO",
     "VELO_NUMPY",
+    "WORKER_SETUP_HOOK",
     "VeloNumpyTransport",
     "VeloTensorTransport",
     "VeloTransportMetadata",
     "register_transports",
+    "worker_setup",
 ]
 
 VELO = "VELO"
@@ -352,16 +355,21 @@ def _copy_checked(dest: np.ndarray[Any, Any], source: np.ndarray[Any, Any], hand
 
 # --- registration ----------------------------------------------------------------------
 
+#: Ray's ``worker_process_setup_hook`` for a job that uses the transports: every worker
+#: process of the job registers them before it runs user code (:func:`worker_setup`).
+WORKER_SETUP_HOOK = "ray_velo.rdt.worker_setup"
+
 
 def register_transports(*, import_torch: bool = True) -> list[str]:
     """Register ``VELO_NUMPY`` (and ``VELO`` where torch is installed) with Ray, in this
     process, before it defines classes that name them and creates those actors (Ray hands
     registrations to the actors a process creates afterwards).
 
-    ``import ray_velo`` calls it when Ray is already imported (``VELO`` only if torch is
-    too), and :func:`ray_velo.init` calls it where Ray has the API; call it yourself when a
-    class naming ``tensor_transport="VELO"`` is defined before either. Returns the names
-    registered now; idempotent.
+    ``import ray_velo`` calls it when Ray is already imported (``VELO`` once torch is
+    imported too), :func:`ray_velo.init` calls it where Ray has the API, and so does every
+    worker of a job started with :func:`ray_velo.runtime_env`; call it yourself when a class naming
+    ``tensor_transport="VELO"`` is defined before either. Returns the names registered now;
+    idempotent.
 
     Args:
         import_torch: import torch to register ``VELO`` when it is installed but not yet
@@ -376,11 +384,80 @@ def register_transports(*, import_torch: bool = True) -> list[str]:
         wanted.append((VELO, VeloTensorTransport))
     done = []
     for name, manager in wanted:
-        if name in _RDT.registered:
-            continue
-        _RDT.register(name, list(manager.devices), manager, manager.data_type())
+        with _register_lock:
+            if name in _RDT.registered:
+                continue
+            try:
+                _RDT.register(name, list(manager.devices), manager, manager.data_type())
+            except ValueError:
+                if name not in _RDT.registered:
+                    raise
+                continue  # Ray's own registration task (from the actor's creator) came first
         done.append(name)
     return done
+
+
+_register_lock = threading.Lock()
+
+
+def worker_setup() -> None:
+    """Register the transports in this process now: ``VELO_NUMPY`` at once, ``VELO`` at once
+    if torch is imported, else the moment it is (importing torch costs every worker about
+    two seconds, and a worker that never imports it never moves a tensor).
+
+    Ray's registration reaches only the actors the registering process creates, by a task
+    that races their first method; run in every worker (:data:`WORKER_SETUP_HOOK`), this makes
+    ``ray.put(..., _tensor_transport="VELO")`` in any actor, RDT calls submitted by any
+    worker and restarted actors find the transports."""
+    register_transports(import_torch=False)
+    if VELO not in _RDT.registered and importlib.util.find_spec("torch") is not None:
+        _after_torch_import.arm()
+
+
+class _AfterTorchImport:
+    """A one-shot import hook: registers ``VELO`` right after torch's module has run, in the
+    thread that imported it (a second thread importing torch waits for that import and so
+    sees the registration)."""
+
+    def __init__(self) -> None:
+        self._armed = False
+
+    def arm(self) -> None:
+        with _register_lock:
+            if not self._armed and "torch" not in sys.modules:
+                self._armed = True
+                sys.meta_path.insert(0, self)
+        if "torch" in sys.modules:
+            register_transports(import_torch=False)
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch":
+            return None
+        self._disarm()
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            try:
+                register_transports(import_torch=False)
+            except Exception:  # never fail the user's import of torch over it
+                _log.warning("ray_velo: VELO not registered after torch's import", exc_info=True)
+
+        loader.exec_module = exec_module
+        return spec
+
+    def _disarm(self) -> None:
+        with _register_lock:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            self._armed = False
+
+
+_after_torch_import = _AfterTorchImport()
 
 
 # --- ordinary values of the data type stay zero-copy ------------------------------------

@@ -187,7 +187,12 @@ def run_gpu_bench(nbytes: int = 256 * MiB, reps: int = 5, *, raw: bool = True) -
     ucx_raw_s = ucx_raw_cuda_get(nbytes, reps) if raw else None  # before Ray: no fork after
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            num_gpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env=rv.runtime_env(),
+        )
     rv.init()
     try:
         producer, consumer = _actors()

@@ -69,7 +69,7 @@ class _Cluster:
         )
         self.cluster.add_node(**node, resources={"node_b": 4})
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, log_to_driver=False)
+        ray.init(address=self.cluster.address, log_to_driver=False, runtime_env=rv.runtime_env())
         rv.init(config)
         producer, consumer = bench_actors()
         self.producer = producer.options(resources={"node_a": 1}).remote()

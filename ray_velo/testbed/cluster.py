@@ -342,6 +342,9 @@ def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:
         raise TestbedError(step="connect", detail=f"{ENV_VAR} is not set: not a testbed driver")
     info = TestbedInfo.from_json(text)
     ray_init_kwargs.setdefault("log_to_driver", False)
+    from ray_velo.api import runtime_env
+
+    ray_init_kwargs["runtime_env"] = runtime_env(ray_init_kwargs.get("runtime_env"))
     ray.init(address=info.address, _node_ip_address=info.node_ip, **ray_init_kwargs)
     deadline = time.monotonic() + timeout_s
     while True:

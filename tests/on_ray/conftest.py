@@ -66,7 +66,12 @@ def cluster() -> Iterator[Cluster]:
     )
     c.add_node(**_node_cpus(), resources={"node_b": 4})
     c.wait_for_nodes()
-    ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address=c.address,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env=rv.runtime_env(),
+    )
     rv.init(TEST_CONFIG)
     yield c
     rv.shutdown()

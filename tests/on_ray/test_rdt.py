@@ -16,7 +16,7 @@ import ray
 
 import ray_velo as rv
 from ray_velo.config import MiB
-from tests.on_ray.conftest import agent_info, moved, path_counts
+from tests.on_ray.conftest import agent_info, moved, path_counts, wait_for
 
 torch = pytest.importorskip("torch")
 # ray_velo was imported before torch here: register "VELO" before the classes below name it
@@ -314,3 +314,134 @@ def test_ordinary_numpy_returns_stay_zero_copy_after_an_rdt_return(velo: None) -
     assert not before.flags.writeable
     assert not after.flags.writeable
     assert int(after.sum()) == 4 * MiB
+
+
+# --- VELO wherever Ray's built-in transports work (issue 38) -----------------------------
+
+
+@ray.remote(**ON_A, enable_tensor_transport=True)
+class Putter:
+    """Names no VELO method (Ray's weight-sync idiom): only its workers' setup hook, not the
+    creator's racing registration task, tells it the transports before its first call."""
+
+    def put(self, n: int, transport: str) -> list[Any]:
+        value: Any = np.full(n, 5, np.uint8) if transport == "VELO_NUMPY" else torch.full((n,), 5.0)
+        self.kept = ray.put(value, _tensor_transport=transport)
+        return [self.kept]
+
+
+@ray.remote(**ON_B)
+class Submitter:
+    """An actor that did not create the actors it makes an RDT call between."""
+
+    def pass_on(self, source: Any, sink: Any, n: int) -> list[int]:
+        return ray.get(sink.crcs.remote(source.tensor.remote(n)), timeout=120)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("transport", ["VELO", "VELO_NUMPY"])
+def test_ray_put_in_an_actor_whose_class_names_no_velo_method(velo: None, transport: str) -> None:
+    """ray.put(..., _tensor_transport=...) as the actor's first call (no time for Ray's
+    registration task from the creator): the job's setup hook registered the transport in
+    that worker, and node b reads the object."""
+    putter, sink = Putter.remote(), Sink.remote()
+    ref = ray.get(putter.put.remote(1 << 16, transport), timeout=120)[0]
+    want = (
+        np.full(1 << 16, 5, np.uint8) if transport == "VELO_NUMPY" else torch.full((1 << 16,), 5.0)
+    )
+    assert ray.get(sink.crcs.remote(ref), timeout=120) == [crc(want)]
+    del ref
+
+
+def test_an_rdt_call_submitted_by_an_actor_that_did_not_create_the_actors(velo: None) -> None:
+    """Ray registers custom transports only from the process that created the actor; here
+    another actor submits both the producing and the receiving call."""
+    source, sink = Source.remote(), Sink.remote()
+    got = ray.get(Submitter.remote().pass_on.remote(source, sink, 1 << 16), timeout=120)
+    assert got == [crc(torch.arange(1 << 16, dtype=torch.float32))]
+
+
+@ray.remote
+def rdt_from_a_task(n: int) -> list[int]:
+    """A task (not an actor, not the driver) creates a producer and a receiver of its own."""
+    source, sink = Source.remote(), Sink.remote()
+    return ray.get(sink.crcs.remote(source.tensor.remote(n)), timeout=120)  # type: ignore[no-any-return]
+
+
+def test_an_rdt_call_from_a_task(velo: None) -> None:
+    assert ray.get(rdt_from_a_task.options(num_cpus=0).remote(1 << 16), timeout=180) == [
+        crc(torch.arange(1 << 16, dtype=torch.float32))
+    ]
+
+
+@ray.remote(**ON_A, max_restarts=1, enable_tensor_transport=True)
+class Restartable:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def put(self, n: int) -> list[Any]:
+        self.kept = ray.put(torch.full((n,), 7.0), _tensor_transport="VELO")
+        return [self.kept]
+
+
+def test_a_restarted_actor_still_knows_velo(velo: None) -> None:
+    """Ray's creator-side registration ran once, for the actor's first process; the restarted
+    process registers through the job's setup hook and puts a VELO object again."""
+    actor, sink = Restartable.remote(), Sink.remote()
+    first = ray.get(actor.pid.remote(), timeout=60)
+    os.kill(first, signal.SIGKILL)
+    wait_for("the actor's restart", lambda: _restarted_pid(actor, first) is not None)
+    ref = ray.get(actor.put.remote(1 << 16), timeout=120)[0]
+    assert ray.get(sink.crcs.remote(ref), timeout=120) == [crc(torch.full((1 << 16,), 7.0))]
+    del ref
+
+
+def _restarted_pid(actor: Any, dead: int) -> int | None:
+    try:
+        pid = ray.get(actor.pid.remote(), timeout=10)
+    except ray.exceptions.RayError:
+        return None
+    return None if pid == dead else int(pid)
+
+
+_WITHOUT_HOOK = """
+import logging, sys
+import ray
+import ray_velo as rv
+logging.basicConfig(level=logging.WARNING)
+ray.init(address=sys.argv[1], log_to_driver=False)
+rv.init()
+@ray.remote(resources={"node_a": 1}, num_cpus=0, enable_tensor_transport=True)
+class Putter:
+    def put(self):
+        import torch
+        return [ray.put(torch.ones(4), _tensor_transport="VELO")]
+@ray.remote(num_cpus=0)
+def from_a_task():  # a worker without ray_velo creates the actor: nothing registers VELO there
+    return ray.get(Putter.remote().put.remote(), timeout=120)
+try:
+    ray.get(from_a_task.remote(), timeout=120)
+    print("PUT OK")
+except Exception as exc:
+    print("PUT FAILED", type(exc).__name__, str(exc).splitlines()[-1])
+"""
+
+
+def test_a_job_started_without_the_hook_is_told_the_line_that_fixes_it(
+    velo: None, cluster: Any
+) -> None:
+    """A driver whose own ray.init named no setup hook: rv.init warns, naming
+    ray_velo.runtime_env(); and the failure it warns of is real (Ray's own error, for an
+    actor a task of that job created)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_HOOK, cluster.address],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert "ray.init(runtime_env=ray_velo.runtime_env())" in done.stderr, done.stderr[-2000:]
+    assert "PUT FAILED" in done.stdout and "Invalid tensor transport: VELO" in done.stdout, (
+        done.stdout[-2000:]
+    )
