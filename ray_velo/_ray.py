@@ -120,14 +120,16 @@ def _global_worker() -> Any:
 
 
 def is_worker_process() -> bool:
-    """Whether this process is a Ray worker (a task or actor), not a driver."""
+    """Whether this process is a Ray worker (a task or actor), not a driver
+    (``global_worker.mode == WORKER_MODE``, checked on 2.60.0)."""
     worker = _global_worker()
     return bool(worker.mode == ray._private.worker.WORKER_MODE)
 
 
 def job_setup_hook() -> str | None:
     """The ``worker_process_setup_hook`` of this process's job (its import path, or the
-    callable's name), None without one."""
+    callable's name), None without one (the runtime context's ``runtime_env``, checked on
+    2.60.0)."""
     hook = ray.get_runtime_context().runtime_env.get("worker_process_setup_hook")
     return None if hook is None else str(hook)
 

@@ -46,10 +46,14 @@ _RDT = _ray.rdt_api()
 
 @dataclass
 class VeloTransportMetadata(_RDT.metadata):  # type: ignore[name-defined,misc]
-    """What a receiver needs: one handle per tensor (None for an empty one), in order."""
+    """What a receiver needs: the one slot all the object's tensors were packed into (None
+    when every tensor is empty) and where each tensor starts in it (None: an empty one)."""
 
-    handles: list[DataHandle | None] = field(default_factory=list)
-    #: Ray's fetch bound (seconds) when the source staged them; bounds each receive.
+    handle: DataHandle | None = None
+    #: The packed slot's size in bytes.
+    nbytes: int = 0
+    offsets: list[int | None] = field(default_factory=list)
+    #: Ray's fetch bound (seconds) when the source staged them; bounds the receive.
     fetch_timeout_s: float | None = None
 
 
@@ -125,19 +129,25 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
         if device not in (None, *self.devices):
             # Nothing staged: Ray refuses the device, naming it and the transport.
             return VeloTransportMetadata(tensor_meta=tensor_meta, tensor_device=device)
-        handles: list[DataHandle | None] = []
-        try:
-            for value in rdt_object:
-                handles.append(self._stage(value))
-        except BaseException:
-            for handle in handles:
-                if handle is not None:
-                    session.release_soon(handle)
-            raise
+        parts = [self._bytes(value) for value in rdt_object]
+        packed = [part for part in parts if part.nbytes]
+        if not packed:
+            return VeloTransportMetadata(
+                tensor_meta=tensor_meta, tensor_device=device, offsets=[None] * len(parts)
+            )
+        # One slot for the whole object: one reservation here, one GET for each receiver.
+        staged = session.stage_packed(
+            packed, ttl=None, follow_producer=True, staged_from=self._staged_from(device)
+        )
+        assert staged is not None  # a reservation that may map is never declined
+        handle, starts = staged
+        at = iter(starts)
         return VeloTransportMetadata(
             tensor_meta=tensor_meta,
             tensor_device=device,
-            handles=handles,
+            handle=handle,
+            nbytes=starts[-1] + packed[-1].nbytes,
+            offsets=[next(at) if part.nbytes else None for part in parts],
             fetch_timeout_s=_ray.rdt_fetch_timeout_s(),
         )
 
@@ -157,16 +167,23 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
         with self._lock:
             if obj_id in self._aborted:
                 raise TransferError(f"object {obj_id}: Ray aborted its {self.backend} transfer")
-        if target_buffers is not None and len(target_buffers) != len(meta.handles):
+        if target_buffers is not None and len(target_buffers) != len(meta.offsets):
             raise ValueError(
-                f"object {obj_id} holds {len(meta.handles)} tensors, "
+                f"object {obj_id} holds {len(meta.offsets)} tensors, "
                 f"{len(target_buffers)} target buffers were given"
             )
+        slot = None
+        if meta.handle is not None:
+            owned = self._owns(target_buffers)
+            slot = self._fetch(meta.handle, meta.nbytes, owned, meta.fetch_timeout_s)
         out = []
-        for index, handle in enumerate(meta.handles):
+        for index, offset in enumerate(meta.offsets):
             shape, dtype = meta.tensor_meta[index]
             target = target_buffers[index] if target_buffers is not None else None
-            received = self._receive(handle, shape, dtype, target, meta.fetch_timeout_s)
+            if offset is None or slot is None:
+                received = self._empty(shape, dtype) if target is None else target
+            else:
+                received = self._unpacked(slot, offset, shape, dtype, target, meta.handle)
             out.append(self._placed(received, meta.tensor_device, target))
         return out
 
@@ -185,10 +202,10 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
         raise TransferError(f"{self.backend} is one-sided: the receiver fetches, nothing sends")
 
     def garbage_collect(self, obj_id: str, tensor_transport_meta: Any, tensors: list[Any]) -> None:
-        """Ray freed the ObjectRef: end its handles (views handed out keep their bytes)."""
-        for handle in getattr(tensor_transport_meta, "handles", []):
-            if handle is not None:
-                session.release_soon(handle)
+        """Ray freed the ObjectRef: end its slot (views handed out keep their bytes)."""
+        handle = getattr(tensor_transport_meta, "handle", None)
+        if handle is not None:
+            session.release_soon(handle)
         with self._lock:
             self._aborted.discard(obj_id)
 
@@ -215,26 +232,45 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
     def _meta(value: Any) -> tuple[Any, Any]:
         return (tuple(value.shape), value.dtype)
 
-    def _stage(self, value: Any) -> DataHandle | None:
-        if value.nbytes == 0:
-            return None
-        return session.stage_streamed(value, ttl=None, follow_producer=True)
+    @staticmethod
+    def _owns(targets: list[Any] | None) -> bool:
+        """Whether a receive needs memory of its own: not for numpy arrays, which get a
+        read-only view of the fetched slot (as Ray's own ray.get gives arrays)."""
+        return False
 
-    def _receive(
-        self,
-        handle: DataHandle | None,
-        shape: Any,
-        dtype: Any,
-        target: Any,
-        timeout_s: float | None,
+    @staticmethod
+    def _bytes(value: Any) -> np.ndarray[Any, Any]:
+        """The value's bytes, flat (copied once only if it is not contiguous)."""
+        if value.dtype.hasobject:
+            raise UnsupportedPayload(
+                type_name=f"numpy array of dtype {value.dtype} (Python objects)"
+            )
+        return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+
+    @staticmethod
+    def _staged_from(device: str | None) -> str | None:
+        return None
+
+    @staticmethod
+    def _empty(shape: Any, dtype: Any) -> Any:
+        return np.empty(shape, dtype=dtype)
+
+    def _fetch(
+        self, handle: DataHandle, nbytes: int, owned: bool, timeout_s: float | None
+    ) -> np.ndarray[Any, Any]:
+        """The packed slot's bytes here: a read-only view of a detached copy (or of the
+        owner's slot on its node); ``owned``: memory of this receiver's own (VELO)."""
+        return session.read(session.lease(handle, "detach", timeout_s))  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _unpacked(
+        slot: np.ndarray[Any, Any], offset: int, shape: Any, dtype: Any, target: Any, handle: Any
     ) -> Any:
-        if handle is None:
-            result = np.empty(shape, dtype=dtype) if target is None else target
-            return result
-        array = session.read(session.lease(handle, "detach", timeout_s))
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        part = slot[offset : offset + nbytes]
         if target is None:
-            return array
-        _copy_checked(np.asarray(target), array, handle)
+            return part.view(dtype).reshape(shape)
+        _copy_checked(np.asarray(target), part, handle)
         return target
 
 
@@ -261,59 +297,43 @@ class VeloTensorTransport(VeloNumpyTransport):
     def _meta(value: Any) -> tuple[Any, Any]:
         return (value.shape, value.dtype)
 
-    def _stage(self, value: Any) -> DataHandle | None:
-        if value.numel() == 0:
-            return None
+    @staticmethod
+    def _bytes(value: Any) -> np.ndarray[Any, Any]:
         # Raw bytes: any dtype travels, bfloat16 included (numpy has none). A CUDA tensor is
         # copied to host memory once (no GPU arena yet), and the agent counts it as such.
-        device = value.device.type
-        flat = host_tensor(value).reshape(-1).view(_uint8())
-        return session.stage_streamed(
-            flat.numpy(), ttl=None, follow_producer=True, staged_from=device
-        )
+        return host_tensor(value).reshape(-1).view(_uint8()).numpy()  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _staged_from(device: str | None) -> str | None:
+        return device
+
+    @staticmethod
+    def _empty(shape: Any, dtype: Any) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=dtype)
 
     def _placed(self, received: Any, staged_from: str | None, target: Any) -> Any:
         if target is not None or staged_from != "cuda":
             return received
         return to_fetch_device(received, staged_from)
 
-    def _receive(
-        self,
-        handle: DataHandle | None,
-        shape: Any,
-        dtype: Any,
-        target: Any,
-        timeout_s: float | None,
-    ) -> Any:
-        import torch
+    @staticmethod
+    def _owns(targets: list[Any] | None) -> bool:
+        """Tensors of the receiver's own (writable: receivers never see each other's
+        writes), and CUDA targets fill from host memory of this receiver's."""
+        return targets is None or any(target.device.type != "cpu" for target in targets)
 
-        if handle is None:
-            return torch.empty(shape, dtype=dtype) if target is None else target
-        if target is None:
-            return self._receive_owned(handle, shape, dtype, timeout_s)
-        if not target.is_contiguous() or target.device.type not in self.devices:
-            raise ValueError(
-                f"target buffer for {handle} must be a contiguous CPU or CUDA tensor, got "
-                f"one on {target.device} (contiguous: {target.is_contiguous()})"
-            )
-        if target.device.type != "cpu":
-            host = self._receive_owned(handle, shape, dtype, timeout_s)
-            return _fill_device_target(target, host)
-        view = session.read(session.lease(handle, "detach", timeout_s))
-        _copy_checked(target.reshape(-1).view(_uint8()).numpy(), view, handle)
-        return target
-
-    def _receive_owned(
-        self, handle: DataHandle, shape: Any, dtype: Any, timeout_s: float | None
-    ) -> Any:
-        """A tensor of the receiver's own, in a PinnedWriter of this node's registered pool:
-        across nodes the GET lands in it directly (no copy, and warm memory rather than fresh
-        pages to fault in); on the owner's node one copy out of the shared slot. No other
-        reader can see what the receiver writes. The writer is freed with the last tensor
-        (or view of it) over its memory."""
-        import torch
-
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    def _fetch(
+        self, handle: DataHandle, nbytes: int, owned: bool, timeout_s: float | None
+    ) -> np.ndarray[Any, Any]:
+        """``owned``: the slot in a PinnedWriter of this node's registered pool: across nodes
+        the GET lands in it directly (no copy, and warm memory rather than fresh pages to
+        fault in); on the owner's node one copy out of the shared slot. No other reader can
+        see what the receiver writes. The writer is freed with the last tensor (or view of
+        one) over its memory: one tensor kept keeps the object's whole slot."""
+        if not owned:
+            return super()._fetch(handle, nbytes, owned, timeout_s)
         if handle.worker_id != session.current().worker_id:
             writer = fetched_pinned_writer(handle, nbytes, timeout_s)
         else:
@@ -324,8 +344,28 @@ class VeloTensorTransport(VeloNumpyTransport):
             except BaseException:
                 writer.close()
                 raise
-        # the writer's array leads to its memory's exporter: the tensor keeps the memory
-        return torch.from_numpy(writer.array).view(dtype).reshape(shape)
+        # the writer's array leads to its memory's exporter: slices of it keep the memory
+        return writer.array
+
+    @staticmethod
+    def _unpacked(
+        slot: np.ndarray[Any, Any], offset: int, shape: Any, dtype: Any, target: Any, handle: Any
+    ) -> Any:
+        import torch
+
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        part = slot[offset : offset + nbytes]
+        if target is None:
+            return torch.from_numpy(part).view(dtype).reshape(shape)
+        if not target.is_contiguous() or target.device.type not in VeloTensorTransport.devices:
+            raise ValueError(
+                f"target buffer for {handle} must be a contiguous CPU or CUDA tensor, got "
+                f"one on {target.device} (contiguous: {target.is_contiguous()})"
+            )
+        if target.device.type != "cpu":
+            return _fill_device_target(target, torch.from_numpy(part))
+        _copy_checked(target.reshape(-1).view(_uint8()).numpy(), part, handle)
+        return target
 
 
 def _fill_device_target(target: Any, host: Any) -> Any:

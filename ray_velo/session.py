@@ -10,7 +10,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -282,8 +282,68 @@ def stage_streamed(
     assert reservation is not None  # a reservation that may map is never declined
     commit(session, reservation, header, ttl, 1, follow_producer, job, writing=True)
     dest = segment_view(session, reservation.path, reservation.offset, view.nbytes)
-    _writer.write(session, reservation.handle, dest, view)
+    _writer.write(session, reservation.handle, dest, [(0, view)])
     return reservation.handle
+
+
+#: The parts of a packed slot (:func:`stage_packed`) start at multiples of this: any dtype's
+#: alignment, and a cache line.
+PACK_ALIGN = 64
+
+
+def pack_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each part of sizes ``sizes`` starts in a packed slot, and the slot's size."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // PACK_ALIGN) * PACK_ALIGN
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
+def stage_packed(
+    parts: Sequence[np.ndarray[Any, Any]],
+    *,
+    ttl: float | None,
+    follow_producer: bool,
+    staged_from: str | None = None,
+    consumers: int = 1,
+    lifetime: str | None = None,
+    streamed: bool = True,
+    may_map: bool = True,
+) -> tuple[DataHandle, list[int]] | None:
+    """Stage flat uint8 ``parts`` (the tensors of one object, the payloads of one call)
+    together in one slot with ``consumers`` references: one reservation, one handle, one GET
+    for a reader, however many parts. Each starts at a :data:`PACK_ALIGN` boundary, the gaps
+    zeroed. ``streamed``, from :data:`STREAMED_MIN_BYTES` in all: the copy is streamed
+    (:func:`stage_streamed`'s terms); else written before the commit. Returns the handle and
+    each part's offset; None when ``may_map`` is False and no mapped arena fits
+    (:func:`stage_transparent`)."""
+    offsets, total = pack_layout([part.nbytes for part in parts])
+    pieces = list(zip(offsets, parts, strict=True))
+    header = TypeHeader("numpy", "|u1", (total,), device=staged_from or "cpu")
+    job = staging_terms(ttl, lifetime)
+    session, reservation = reserve(total, True, may_map)
+    if reservation is None:
+        return None
+    dest = segment_view(session, reservation.path, reservation.offset, total)
+    if streamed and total >= STREAMED_MIN_BYTES:
+        commit(session, reservation, header, ttl, consumers, follow_producer, job, writing=True)
+        _writer.write(session, reservation.handle, dest, pieces)
+        return reservation.handle, offsets
+    try:
+        into = np.frombuffer(dest, dtype=np.uint8)
+        written = 0
+        for offset, part in pieces:
+            into[written:offset] = 0
+            copy_into(into[offset : offset + part.nbytes], part)
+            written = offset + part.nbytes
+        del into, dest
+        commit(session, reservation, header, ttl, consumers, follow_producer, job)
+    except BaseException:
+        session.notify("stage_abort", reservation.reservation_id)
+        raise
+    return reservation.handle, offsets
 
 
 class _BackgroundWriter:
@@ -293,13 +353,20 @@ class _BackgroundWriter:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._queue: list[tuple[Session, DataHandle, memoryview, memoryview]] = []
+        self._queue: list[tuple[Session, DataHandle, memoryview, Sequence[tuple[int, Any]]]] = []
         self._thread: threading.Thread | None = None
         self._closing = False
 
-    def write(self, session: Session, handle: DataHandle, dest: memoryview, source: Any) -> None:
+    def write(
+        self,
+        session: Session,
+        handle: DataHandle,
+        dest: memoryview,
+        pieces: Sequence[tuple[int, Any]],
+    ) -> None:
+        """Queue ``pieces`` (``(offset, source)``) to be copied into ``dest``."""
         with self._cond:
-            self._queue.append((session, handle, dest, source))
+            self._queue.append((session, handle, dest, pieces))
             self._cond.notify()
             if self._thread is None:
                 self._closing = False
@@ -324,24 +391,37 @@ class _BackgroundWriter:
                 if not self._queue:
                     self._thread = None
                     return
-                session, handle, dest, source = self._queue.pop(0)
+                session, handle, dest, pieces = self._queue.pop(0)
             try:
-                _write_streamed(session, handle, dest, source)
+                _write_streamed(session, handle, dest, pieces)
             except Exception:  # the agent heard (-1) and ends the handle; the next one goes on
                 _log.exception("ray_velo: writing %s into its slot failed", handle)
 
 
-def _write_streamed(session: Session, handle: DataHandle, dest: memoryview, source: Any) -> None:
-    """Copy ``source`` into ``dest`` a step at a time, telling the agent after each step
-    (``stage_written``); a failure tells it the handle cannot be read (-1)."""
+def _write_streamed(
+    session: Session, handle: DataHandle, dest: memoryview, pieces: Sequence[tuple[int, Any]]
+) -> None:
+    """Copy each ``(offset, source)`` piece into ``dest`` at its offset, in order, zeroing the
+    gaps between them (no stale bytes of an earlier payload reach a reader), and tell the
+    agent how far ``dest`` is written (``stage_written``) each :data:`_WRITTEN_STEP_MIN`
+    or more and at the end; a failure tells it the handle cannot be read (-1)."""
     into = np.frombuffer(dest, dtype=np.uint8)
-    data = np.frombuffer(source, dtype=np.uint8)
-    step = max(_WRITTEN_STEP_MIN, data.nbytes // 32)
+    step = max(_WRITTEN_STEP_MIN, into.nbytes // 32)
+    told = written = 0
     try:
-        for at in range(0, data.nbytes, step):
-            end = min(data.nbytes, at + step)
-            copy_into(into[at:end], data[at:end])
-            session.notify("stage_written", handle, end)
+        for offset, source in pieces:
+            data = np.frombuffer(source, dtype=np.uint8)
+            into[written:offset] = 0
+            for at in range(0, data.nbytes, step):
+                end = min(data.nbytes, at + step)
+                copy_into(into[offset + at : offset + end], data[at:end])
+                if offset + end - told >= step:
+                    told = offset + end
+                    session.notify("stage_written", handle, told)
+            written = offset + data.nbytes
+        into[written:] = 0
+        if told < into.nbytes:
+            session.notify("stage_written", handle, into.nbytes)
     except BaseException:
         session.notify("stage_written", handle, -1)
         raise

@@ -176,6 +176,11 @@ def _transport_shapes(
         if raw_s and row["size_bytes"] in raw_s:
             columns["raw_tcp"] = raw_s[row["size_bytes"]]
         shapes[f"{row['size_bytes'] // MiB} MiB tensor, {where}"] = columns
+    for row in measured.get("objects", []):
+        columns = {**row["seconds"]}
+        if raw_s and row["size_bytes"] in raw_s:
+            columns["raw_tcp"] = raw_s[row["size_bytes"]]
+        shapes[f"{row['object']}, {where}"] = columns
     return shapes
 
 

@@ -448,11 +448,12 @@ def run_transport_bench(sizes: list[int], reps: int = 5) -> dict[str, Any]:
     """The tensor transports (``tensor_transport="VELO"`` and ``"VELO_NUMPY"``, NIXL where
     installed) against Ray's object store, actor to actor across the two local nodes
     (:func:`~ray_velo.bench.transport.measure_transports`' result)."""
-    from ray_velo.bench.transport import STEPS_PER_SIZE, measure_transports
+    from ray_velo.bench.transport import OBJECTS, STEPS_PER_SIZE, measure_transports
 
     cluster = _Cluster(object_store_bytes=max(1 << 30, 6 * max(sizes)))
     try:
-        with Progress(STEPS_PER_SIZE * len(sizes), "transport bench") as progress:
+        steps = STEPS_PER_SIZE * len(sizes) + len(OBJECTS)
+        with Progress(steps, "transport bench") as progress:
             result = measure_transports(
                 {"resources": {"node_a": 1}},
                 {"resources": {"node_b": 1}},

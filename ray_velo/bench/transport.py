@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ray_velo.bench.actors import machine_process, wait_processes_gone
@@ -20,8 +20,13 @@ PAIR_EXIT_BOUND_S = 30.0
 #: ``tick`` calls per size in :func:`measure_transports`: the torch columns interleaved, then
 #: the numpy and fresh-actor blocks.
 STEPS_PER_SIZE = 2
+#: Objects of many tensors, after the sizes (one step each): GPT-2 small's state dict (148
+#: tensors, 498 MB; 98 of them 3-12 KiB) and a thousand 4 KiB tensors in one list.
+OBJECTS = ("state dict", "1000 x 4 KiB")
+#: What ``make`` builds for a payload of one tensor.
+ONE_TENSOR = "tensor"
 
-__all__ = ["format_transport", "measure_transports"]
+__all__ = ["OBJECTS", "format_transport", "measure_transports"]
 
 
 def _classes(with_nixl: bool) -> tuple[Any, Any]:
@@ -39,11 +44,16 @@ def _classes(with_nixl: bool) -> tuple[Any, Any]:
         def process(self) -> tuple[str, int]:
             return machine_process()
 
-        def make(self, nbytes: int) -> bool:
-            """The payloads of this size (made untimed)."""
-            self.tensor = torch.ones(nbytes // 4, dtype=torch.float32)
-            self.array = np.ones(nbytes, dtype=np.uint8)
-            return True
+        def make(self, nbytes: int, kind: str = ONE_TENSOR) -> int:
+            """The payloads of this size, or the object ``kind`` names (made untimed); its
+            size in bytes."""
+            if kind == ONE_TENSOR:
+                self.tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+                self.array = np.ones(nbytes, dtype=np.uint8)
+                return nbytes
+            self.tensor = _many_tensors(kind)
+            values = self.tensor.values() if isinstance(self.tensor, dict) else self.tensor
+            return sum(v.numel() * v.element_size() for v in values)
 
         def torch_plain(self) -> Any:
             return self.tensor
@@ -75,11 +85,27 @@ def _classes(with_nixl: bool) -> tuple[Any, Any]:
             return machine_process()
 
         def read(self, value: Any) -> int:
+            if isinstance(value, (dict, list)):
+                values = value.values() if isinstance(value, dict) else value
+                return sum(self.read(v) for v in values)
             array = value.numpy() if isinstance(value, torch.Tensor) else value
             flat = array.reshape(-1).view(np.uint8)
-            return int(flat[::4096].sum())  # touch every page
+            return int(flat[::4096].sum()) + int(flat[-1])  # touch every page
 
     return Producer, Consumer
+
+
+def _many_tensors(kind: str) -> Any:
+    """One of :data:`OBJECTS`, as torch tensors."""
+    import torch
+
+    from ray_velo.bench.shapes_driver import gpt2_state_dict
+
+    if kind == "state dict":
+        return {name: torch.from_numpy(v) for name, v in gpt2_state_dict().items()}
+    if kind == "1000 x 4 KiB":
+        return [torch.full((1024,), float(i % 251)) for i in range(1000)]
+    raise ValueError(f"no such object: {kind!r} (one of {', '.join(OBJECTS)})")
 
 
 class _FreshPair(NamedTuple):
@@ -101,10 +127,13 @@ def measure_transports(
     sizes: list[int],
     reps: int = 5,
     tick: Callable[[str], None] | None = None,
+    objects: Sequence[str] = OBJECTS,
 ) -> dict[str, Any]:
-    """Per size, medians (seconds) per column, on the connected Ray cluster (``rv.init``
-    done): ``{"sizes": [{"size_bytes", "seconds", "consistent"}, ...], "reps", "nixl"}``.
-    ``tick(label)`` after each of a size's :data:`STEPS_PER_SIZE` blocks (progress)."""
+    """Per size, then per object of many tensors (``objects``, of :data:`OBJECTS`), medians
+    (seconds) per column, on the connected Ray cluster (``rv.init`` done):
+    ``{"sizes": [{"size_bytes", "seconds", "consistent"}, ...], "objects": [{"object",
+    "size_bytes", ...}], "reps", "nixl"}``. ``tick(label)`` after each of a size's
+    :data:`STEPS_PER_SIZE` blocks and after each object (progress)."""
     import ray
 
     import ray_velo as rv
@@ -124,10 +153,14 @@ def measure_transports(
     }
     if with_nixl:
 
-        def nixl_pair(size: int) -> _FreshPair:
+        def nixl_pair(size: int, kind: str) -> _FreshPair:
             source = producer_actor.options(**producer_options).remote()
             reader = consumer_actor.options(**consumer_options).remote()
-            made = [source.make.remote(size), source.process.remote(), reader.process.remote()]
+            made = [
+                source.make.remote(size, kind),
+                source.process.remote(),
+                reader.process.remote(),
+            ]
             return _FreshPair(source, reader, ray.get(made)[1:])
 
         pairs["torch_nixl"] = nixl_pair
@@ -136,9 +169,56 @@ def measure_transports(
     for size in sizes:
         ray.get([producer.make.remote(size), fresh.make.remote(size)])
         per_size.append(_measure_size(pairs, fresh, size, reps, tick))
+    per_object = []
+    for kind in objects:
+        nbytes = ray.get(producer.make.remote(0, kind))
+        row = _interleaved(pairs, nbytes, kind, reps)
+        per_object.append({"object": kind, **row})
+        if tick is not None:
+            tick(f"{kind}: torch, {', '.join(pairs)} interleaved")
     for actor in (producer, fresh, consumer):
         ray.kill(actor)
-    return {"sizes": per_size, "reps": reps, "nixl": with_nixl}
+    return {"sizes": per_size, "objects": per_object, "reps": reps, "nixl": with_nixl}
+
+
+def _interleaved(pairs: dict[str, Any], size: int, kind: str, reps: int) -> dict[str, Any]:
+    """The torch transports interleaved round by round, each column through its (producer,
+    consumer) pair (a callable makes a pair for one round, ended after it; round 0 warms the
+    long-lived ones up, untimed): ``{"size_bytes", "failed", "seconds", "consistent"}``."""
+    rounds = _Rounds()
+    failed: dict[str, int] = {}
+    for rep in range(reps + 1):
+        for column, pair in pairs.items():
+            if not callable(pair):
+                rounds.once(column, pair, column, rep > 0)
+            elif rep > 0 and not _fresh_pair_round(pair(size, kind), column, rounds.once):
+                failed[column] = failed.get(column, 0) + 1
+    return {"size_bytes": size, "failed": failed, **rounds.medians()}
+
+
+class _Rounds:
+    """Timed transfers (``reader.read(source.method())``), end to end, per column; and the
+    values read, per method (every round of one method must read the same)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = {}
+        self.values: dict[str, set[int]] = {}
+
+    def once(self, name: str, pair: tuple[Any, Any], method: str, keep: bool) -> None:
+        import ray
+
+        source, reader = pair
+        started = time.perf_counter()
+        value = ray.get(reader.read.remote(getattr(source, method).remote()), timeout=600)
+        if keep:
+            self.seconds.setdefault(name, []).append(time.perf_counter() - started)
+        self.values.setdefault(method, set()).add(value)
+
+    def medians(self) -> dict[str, Any]:
+        return {
+            "seconds": {c: statistics.median(v) for c, v in self.seconds.items()},
+            "consistent": all(len(v) == 1 for v in self.values.values()),
+        }
 
 
 def _measure_size(
@@ -148,32 +228,12 @@ def _measure_size(
     reps: int,
     tick: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    """One size: the torch transports interleaved round by round (each column through its
-    (producer, consumer) pair; a callable makes a pair for one round, ended after it), then
-    the numpy and the fresh-actor columns each in a block."""
-    import ray
-
-    seconds: dict[str, list[float]] = {}
-    values: dict[str, set[int]] = {}
-    failed: dict[str, int] = {}
-    producer, consumer = pairs["torch_velo"]
-
-    def once(name: str, pair: tuple[Any, Any], method: str, keep: bool) -> None:
-        source, reader = pair
-        started = time.perf_counter()
-        value = ray.get(reader.read.remote(getattr(source, method).remote()), timeout=600)
-        if keep:
-            seconds.setdefault(name, []).append(time.perf_counter() - started)
-        values.setdefault(method, set()).add(value)
-
-    for rep in range(reps + 1):  # round 0 warms the long-lived transports up, untimed
-        for column, pair in pairs.items():
-            if not callable(pair):
-                once(column, pair, column, keep=rep > 0)
-            elif rep > 0 and not _fresh_pair_round(pair(size), column, once):
-                failed[column] = failed.get(column, 0) + 1
+    """One size: the torch transports interleaved round by round (:func:`_interleaved`),
+    then the numpy and the fresh-actor columns each in a block."""
+    row = _interleaved(pairs, size, ONE_TENSOR, reps)
     if tick is not None:
         tick(f"{size >> 20} MiB: torch, {', '.join(pairs)} interleaved")
+    producer, consumer = pairs["torch_velo"]
     blocks = [
         ("torch_plain_kept", (producer, consumer), "torch_plain"),
         ("numpy_velo", (producer, consumer), "numpy_velo"),
@@ -181,16 +241,17 @@ def _measure_size(
         ("torch_plain_fresh", (fresh, consumer), "torch_plain"),
         ("numpy_plain_fresh", (fresh, consumer), "numpy_plain"),
     ]
+    rounds = _Rounds()
     for name, pair, method in blocks:
         for rep in range(reps + 1):
-            once(name, pair, method, keep=rep > 0)
+            rounds.once(name, pair, method, keep=rep > 0)
     if tick is not None:
         tick(f"{size >> 20} MiB: numpy and fresh actors")
+    blocked = rounds.medians()
     return {
-        "size_bytes": size,
-        "failed": failed,
-        "seconds": {c: statistics.median(v) for c, v in seconds.items()},
-        "consistent": all(len(v) == 1 for v in values.values()),
+        **row,
+        "seconds": {**row["seconds"], **blocked["seconds"]},
+        "consistent": row["consistent"] and blocked["consistent"],
     }
 
 
@@ -206,7 +267,7 @@ def format_transport(
         "    size   Ray store      NIXL      VELO   VELO/NIXL  VELO/Ray  VELO/raw link   "
         "numpy: store  VELO_NUMPY",
     ]
-    for row in result["sizes"]:
+    for row in [*result["sizes"], *result.get("objects", [])]:
         lines.append(_size_line(row, raw_s.get(row["size_bytes"])))
         for column, count in row.get("failed", {}).items():
             lines.append(f"  {column}: {count} of {result['reps']} rounds failed (not timed)")
@@ -257,8 +318,9 @@ def _size_line(row: dict[str, Any], raw: float | None) -> str:
         return f"{s[key] / s['torch_velo']:8.2f}x" if key in s else "        -"
 
     to_raw = f"{raw / s['torch_velo']:13.2f}" if raw else "            -"
+    name = row.get("object") or _size_text(size)
     return (
-        f"  {_size_text(size):>6s}  {ms('torch_plain')}  {ms('torch_nixl')}  "
+        f"  {name:>6s}  {ms('torch_plain')}  {ms('torch_nixl')}  "
         f"{ms('torch_velo')}  {speedup('torch_nixl')}  {speedup('torch_plain')}  {to_raw}"
         f"      {ms('numpy_plain')}    {ms('numpy_velo')}"
     )

@@ -196,7 +196,8 @@ def run_two_host_transport(
         store = max(1 << 30, 6 * max(sizes))
         with Testbed(hosts=2, link=link, object_store_bytes=store, **security) as testbed:
             measured = _drive(testbed, list(sizes), reps, ["--transport"])
-            raw = {size: raw_tcp(testbed, size, reps) for size in sizes}
+            objects = [row["size_bytes"] for row in measured.get("objects", [])]
+            raw = {size: raw_tcp(testbed, size, reps) for size in [*sizes, *objects]}
         out[link] = {"measured": measured, "raw_s": raw}
     return out
 

@@ -7,49 +7,91 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Literal
 
+import numpy as np
 import ray
 
 from ray_velo import session
 from ray_velo.errors import HandleNotFound, HandleReleased
-from ray_velo.payload import payload_nbytes
+from ray_velo.local.records import LocalLease
+from ray_velo.payload import as_bytes_view, from_bytes_view, payload_nbytes
 from ray_velo.protocol import DataHandle
-from ray_velo.staging.tree import StagedValue, TransferOptions, visit, walk
+from ray_velo.staging.tree import PackedPart, StagedValue, TransferOptions, visit, walk
 from ray_velo.store import RELEASED_BY_CONSUMERS
 
 __all__ = ["Resolution", "discard_tree", "resolve", "resolve_stream", "stage_tree"]
 
 
 def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> Any:
-    """``value`` with every payload above the threshold staged and replaced. If staging
-    one fails (or the task is interrupted meanwhile), those already staged are released:
-    nobody would ever hold their handles."""
-    staged: list[StagedValue] = []
+    """``value`` with every payload above the threshold staged and replaced; two or more
+    are packed into one slot (one reservation, one handle, one GET for the receiver). If
+    staging fails (or the task is interrupted meanwhile), what was staged is released:
+    nobody would ever hold its handles."""
+    chosen: dict[int, Any] = {}  # by id: a payload the tree names twice is staged once
 
-    def leaf(item: Any) -> Any:
-        if isinstance(item, StagedValue):
-            return item
+    def pick(item: Any) -> None:
+        if isinstance(item, StagedValue) or id(item) in chosen:
+            return
         nbytes = payload_nbytes(item)
         if nbytes is None:
-            return item
+            return
         threshold = options.threshold_bytes
         if threshold is None:
             threshold = session.current().config.threshold_bytes if nbytes > 0 else 0
-        if nbytes <= threshold:
-            return item
-        handle = session.stage_transparent(
-            item, ttl=options.effective_ttl, consumers=options.consumers, lifetime=options.lifetime
-        )
-        if handle is None:  # no mapped arena fits: Ray carries it this time (docs/protocol.md §12)
-            return item
-        staged.append(StagedValue(handle, nbytes, options.consumers, budget_s))
-        return staged[-1]
+        if nbytes > threshold:
+            chosen[id(item)] = item
 
+    visit(value, pick)
+    if not chosen:
+        return value
+    staged: dict[int, StagedValue] = {}
     try:
-        return walk(value, leaf)
+        if len(chosen) == 1:
+            staged = _stage_one(chosen, options, budget_s)
+        else:
+            staged = _stage_packed(chosen, options, budget_s)
+        return walk(value, lambda item: staged.get(id(item), item))
     except BaseException:
         with contextlib.suppress(Exception):  # the original error is the one to raise
-            discard_tree(staged)
+            discard_tree(list(staged.values()))
         raise
+
+
+def _stage_one(
+    chosen: dict[int, Any], options: TransferOptions, budget_s: float | None
+) -> dict[int, StagedValue]:
+    [(key, item)] = chosen.items()
+    handle = session.stage_transparent(
+        item, ttl=options.effective_ttl, consumers=options.consumers, lifetime=options.lifetime
+    )
+    if handle is None:  # no mapped arena fits: Ray carries it this time (docs/protocol.md §12)
+        return {}
+    nbytes = payload_nbytes(item) or 0
+    return {key: StagedValue(handle, nbytes, options.consumers, budget_s)}
+
+
+def _stage_packed(
+    chosen: dict[int, Any], options: TransferOptions, budget_s: float | None
+) -> dict[int, StagedValue]:
+    """The chosen payloads in one slot (only into an arena already mapped, as
+    :func:`~ray_velo.session.stage_transparent`); none staged when none fits."""
+    views = {key: as_bytes_view(item) for key, item in chosen.items()}
+    parts = [np.frombuffer(view, dtype=np.uint8) for _, view in views.values()]
+    packed = session.stage_packed(
+        parts,
+        ttl=options.effective_ttl,
+        follow_producer=False,
+        consumers=options.consumers,
+        lifetime=options.lifetime,
+        streamed=False,
+        may_map=False,
+    )
+    if packed is None:  # no mapped arena fits: Ray carries them this time
+        return {}
+    handle, offsets = packed
+    return {
+        key: StagedValue(handle, part.nbytes, options.consumers, budget_s, PackedPart(at, header))
+        for (key, (header, _)), part, at in zip(views.items(), parts, offsets, strict=True)
+    }
 
 
 def _released(staged: StagedValue) -> HandleReleased:
@@ -70,8 +112,20 @@ class Resolution:
     def __init__(self, mode: Literal["claim", "release"]) -> None:
         self.mode = mode
         self.claimed: list[DataHandle] = []
+        #: the packed slots read so far, by handle: one lease serves all their parts
+        self._packs: dict[DataHandle, Any] = {}
 
     def one(self, staged: StagedValue) -> Any:
+        if staged.part is None:
+            return session.read(self._lease(staged))
+        slot = self._packs.get(staged.handle)
+        if slot is None:
+            slot = self._packs[staged.handle] = session.read(self._lease(staged))
+        header, start = staged.part.header, staged.part.offset
+        data = slot[start : start + staged.nbytes].data
+        return from_bytes_view(header, data, copy=header.kind == "torch")
+
+    def _lease(self, staged: StagedValue) -> LocalLease:
         try:
             local = session.lease(staged.handle, self.mode, staged.budget_s)
         except HandleReleased as exc:
@@ -82,11 +136,16 @@ class Resolution:
             raise
         if self.mode == "claim":
             self.claimed.append(staged.handle)
-        return session.read(local)
+        return local
 
     def tree(self, value: Any) -> Any:
         """``value`` with every StagedValue resolved."""
-        return walk(value, lambda item: self.one(item) if isinstance(item, StagedValue) else item)
+        try:
+            return walk(
+                value, lambda item: self.one(item) if isinstance(item, StagedValue) else item
+            )
+        finally:
+            self._packs.clear()  # the values keep what they view; the lease ends with them
 
     def end(self, consume: bool) -> None:
         """The body is done: consume every claim, or give them back (a retry will claim
@@ -124,9 +183,12 @@ def discard_tree(value: Any) -> None:
     """Release every staged value in ``value`` unread (a stream that ended early)."""
     from ray_velo import api
 
+    seen: set[DataHandle] = set()  # packed values share a handle and its references
+
     def leaf(item: Any) -> None:
-        if not isinstance(item, StagedValue):
+        if not isinstance(item, StagedValue) or item.handle in seen:
             return
+        seen.add(item.handle)
         for _ in range(item.consumers):
             try:
                 api.release(item.handle, 0)

@@ -9,9 +9,9 @@ from typing import Any
 
 from ray_velo.config import check_lifetime
 from ray_velo.errors import ConfigError
-from ray_velo.protocol import DataHandle
+from ray_velo.protocol import DataHandle, TypeHeader
 
-__all__ = ["StagedValue", "TransferOptions", "visit", "walk"]
+__all__ = ["PackedPart", "StagedValue", "TransferOptions", "visit", "walk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,21 +60,34 @@ class TransferOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedPart:
+    """Where a payload sits in the one slot its call's payloads were packed into, and how to
+    rebuild it from its bytes."""
+
+    offset: int
+    header: TypeHeader
+
+
+@dataclass(frozen=True, slots=True)
 class StagedValue:
     """A payload staged on its sender's node, travelling in place of the value.
 
     ``budget_s`` is the sender's ``fetch_timeout`` for this send (the protocol's
     ``_rv_budget_ms``: a decorated call's budget starts when it is sent, so all of it is
-    left); the receiver starts that bound when it resolves.
+    left); the receiver starts that bound when it resolves. ``part``: the payload is one of
+    several packed into ``handle``'s slot (they share its references: one resolution of the
+    call takes them all).
     """
 
     handle: DataHandle
     nbytes: int
     consumers: int = 1
     budget_s: float | None = None
+    part: PackedPart | None = None
 
     def __repr__(self) -> str:
-        return f"StagedValue({self.handle}, {self.nbytes} bytes)"
+        where = "" if self.part is None else f" at {self.part.offset}"
+        return f"StagedValue({self.handle}{where}, {self.nbytes} bytes)"
 
 
 def walk(value: Any, leaf: Callable[[Any], Any]) -> Any:

@@ -47,6 +47,10 @@ class Source:
     def tensor(self, n: int) -> Any:
         return torch.arange(n, dtype=torch.float32)
 
+    @ray.method(tensor_transport="VELO")
+    def three(self, n: int) -> list[Any]:
+        return [torch.full((n,), float(i)) for i in range(3)]
+
     @ray.method(tensor_transport="VELO_NUMPY")
     def array(self, nbytes: int, seed: int = 0) -> np.ndarray:
         return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
@@ -232,13 +236,13 @@ def test_the_same_ref_sent_to_several_actors(velo: None) -> None:
 
 
 def test_garbage_collection_frees_the_owners_memory(velo: None) -> None:
-    """While the ObjectRef lives its tensors stay staged on node a; when the driver drops
-    it, Ray's garbage_collect releases them, and so does a ref dropped before its metadata
-    arrived."""
+    """While the ObjectRef lives its tensors stay staged on node a (the two in one slot);
+    when the driver drops it, Ray's garbage_collect releases them, and so does a ref dropped
+    before its metadata arrived."""
     source = Source.remote()
     ref = source.tensors.remote(1 << 20)
     ray.get(ref, timeout=120)
-    assert live_slots("node_a") == 2
+    assert live_slots("node_a") == 1
     del ref
     assert wait_for_slots("node_a", 0) == 0
     early = source.tensor.remote(1 << 20)
@@ -445,3 +449,132 @@ def test_a_job_started_without_the_hook_is_told_the_line_that_fixes_it(
     assert "PUT FAILED" in done.stdout and "Invalid tensor transport: VELO" in done.stdout, (
         done.stdout[-2000:]
     )
+
+
+# --- objects of many tensors: one slot, one GET (issue 38) -------------------------------
+
+
+def many_tensors(seed: int) -> dict[str, Any]:
+    """Tensors of every kind one object may hold: large and tiny, empty, 0-d, bfloat16,
+    bool, a non-contiguous view, and a view overlapping another tensor of the object."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(3 << 20, generator=g)  # 12 MiB: the slot is streamed
+    return {
+        "big": big,
+        "tiny": [torch.randn(n, generator=g) for n in (1, 3, 700, 1024)],
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(2.5),
+        "half": torch.randn(33, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(17, generator=g) > 0.5,
+        "strided": torch.randn(64, 64, generator=g).t(),
+        "overlap": big[10:1000],
+    }
+
+
+def flat_tensors(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in flat_tensors(v)]
+    if isinstance(value, list):
+        return [t for v in value for t in flat_tensors(v)]
+    return [value]
+
+
+@ray.remote(**ON_A)
+class ManySource:
+    def __init__(self) -> None:
+        self.kept: Any = None
+
+    @ray.method(tensor_transport="VELO")
+    def object(self, seed: int) -> dict[str, Any]:
+        self.kept = many_tensors(seed)
+        return self.kept  # type: ignore[no-any-return]
+
+    @ray.method(tensor_transport="VELO_NUMPY")
+    def arrays(self, n: int) -> list[np.ndarray]:
+        return [np.full(i % 7 + 1, i, dtype=np.int16) for i in range(n)]
+
+    def change_in_place(self) -> None:
+        for tensor in flat_tensors(self.kept):
+            if tensor.dtype.is_floating_point:
+                tensor.add_(1)
+
+
+@ray.remote(**ON_B, enable_tensor_transport=True)
+class ManySink:
+    def describe(self, value: Any) -> dict[str, Any]:
+        tensors = flat_tensors(value)
+        placed = [t for t in tensors if t.numel()]
+        pointers = [t.data_ptr() for t in placed]
+        return {
+            "crcs": [crc(t) if t.numel() else None for t in tensors],
+            "meta": [(tuple(t.shape), str(t.dtype)) for t in tensors],
+            "writable": all(t.numpy().flags.writeable for t in placed if t.dtype != torch.bfloat16),
+            "aligned": all(p % 64 == 0 for p in pointers),
+            "span": max(
+                p + t.numel() * t.element_size() for p, t in zip(pointers, placed, strict=True)
+            )
+            - min(pointers),
+        }
+
+    def into_targets(self, refs: list[Any], n: int) -> list[int]:
+        ref = refs[0]  # in a list: Ray hands the ref itself, not its value
+        targets = [torch.zeros(n) for _ in range(3)]
+        from ray.experimental import set_target_for_ref
+
+        set_target_for_ref(ref, targets)
+        got = ray.get(ref, timeout=120)
+        assert all(a is b for a, b in zip(got, targets, strict=True))
+        return [crc(t) for t in targets]
+
+    def arrays(self, values: list[np.ndarray]) -> list[list[int]]:
+        return [v.tolist() for v in values]
+
+
+def test_an_object_of_many_tensors_moves_as_one_slot(velo: None) -> None:
+    """Every tensor arrives with its shape, dtype and bytes (the empty one, the 0-d one,
+    bfloat16, bool, a transposed view, a view overlapping another); they sit in one block of
+    the receiver's memory, each 64-byte aligned; the producer's node holds one slot for the
+    object, not one per tensor."""
+    source, sink = ManySource.remote(), ManySink.remote()
+    want = flat_tensors(many_tensors(4))
+    ref = source.object.remote(4)
+    got = ray.get(sink.describe.remote(ref), timeout=120)
+    assert got["meta"] == [(tuple(t.shape), str(t.dtype)) for t in want]
+    assert got["crcs"] == [crc(t) if t.numel() else None for t in want]
+    assert got["writable"] and got["aligned"]
+    payload = sum(t.numel() * t.element_size() for t in want)
+    assert payload <= got["span"] < payload + 64 * len(want)
+    assert live_slots("node_a") == 1
+    del ref
+    assert wait_for_slots("node_a", 0) == 0
+
+
+def test_a_change_made_after_the_copy_is_never_seen(velo: None) -> None:
+    """NIXL reads the producer's tensors as they are at the read; VELO hands every receiver
+    the copy made at the return (docs/transports.md, where VELO and NIXL differ)."""
+    source, sink = ManySource.remote(), ManySink.remote()
+    want = [crc(t) if t.numel() else None for t in flat_tensors(many_tensors(5))]
+    ref = source.object.remote(5)
+    assert ray.get(sink.describe.remote(ref), timeout=120)["crcs"] == want
+    ray.get(source.change_in_place.remote(), timeout=60)
+    assert ray.get(ManySink.remote().describe.remote(ref), timeout=120)["crcs"] == want
+    del ref
+
+
+def test_many_tensors_into_target_buffers(velo: None) -> None:
+    """Ray's set_target_for_ref: each tensor of the object lands in its own buffer, on node b
+    (the driver reads the object first: Ray lends an RDT ref inside a list only once its
+    metadata reached the owner)."""
+    source, sink = Source.remote(), ManySink.remote()
+    ref = source.three.remote(4096)
+    assert len(ray.get(ref, timeout=120)) == 3
+    assert ray.get(sink.into_targets.remote([ref], 4096), timeout=120) == [
+        crc(torch.full((4096,), float(i))) for i in range(3)
+    ]
+    del ref
+
+
+def test_a_thousand_small_arrays_in_one_numpy_object(velo: None) -> None:
+    source, sink = ManySource.remote(), ManySink.remote()
+    got = ray.get(sink.arrays.remote(source.arrays.remote(1000)), timeout=120)
+    assert got == [[i] * (i % 7 + 1) for i in range(1000)]

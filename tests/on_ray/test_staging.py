@@ -291,28 +291,54 @@ class _Interrupted(BaseException):
 def test_a_result_whose_staging_is_interrupted_midway_leaves_nothing_staged(
     velo: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two payloads in one result; the second one's staging is interrupted: the first,
-    already staged, is released, since nobody could ever hold its handle."""
+    """Two payloads in one result go into one packed slot; the copy of the second is
+    interrupted: the reservation, with the first already in it, is given back, and no slot
+    is left that nobody could ever hold the handle of."""
     from ray_velo import session
     from ray_velo.staging.resolution import stage_tree
 
-    warm_on_node_a(MiB)
-    before = agent_info("node_a")["live_slots"]
-    stage = session.stage_transparent
-    staged_first: list[int] = []
+    warm_on_node_a(2 * MiB + 64)
+    before = agent_info("node_a")
+    copy = session.copy_into
+    copied: list[int] = []
 
-    def interrupted_second(obj: Any, **kwargs: Any) -> Any:
-        if staged_first:
-            staged_first.append(agent_info("node_a")["live_slots"])
+    def interrupted_second(dest: Any, source: Any) -> None:
+        if copied:
             raise _Interrupted
-        staged_first.append(1)
-        return stage(obj, **kwargs)
+        copied.append(source.nbytes)
+        copy(dest, source)
 
-    monkeypatch.setattr(session, "stage_transparent", interrupted_second)
+    monkeypatch.setattr(session, "copy_into", interrupted_second)
     with pytest.raises(_Interrupted):
         stage_tree([np.ones(MiB, np.uint8), np.ones(MiB, np.uint8)], rv.TransferOptions(), None)
-    assert staged_first == [1, before + 1], "the first payload was not staged in place"
-    wait_for("the first payload released", lambda: agent_info("node_a")["live_slots"] == before)
+    assert copied == [MiB], "the first payload was not copied into the packed slot"
+    wait_for(
+        "the reservation given back",
+        lambda: (
+            (lambda i: (i["live_slots"], i["reservations"]))(agent_info("node_a"))
+            == (before["live_slots"], 0)
+        ),
+    )
+
+
+def test_a_call_s_payloads_travel_in_one_slot(velo: None) -> None:
+    """Three payloads of one result, one of them named twice: one slot on the producer's
+    node, each value read back right (the repeated one twice), the slot gone after."""
+    from ray_velo.staging.resolution import resolve, stage_tree
+
+    warm_on_node_a(4 * MiB)
+    before = agent_info("node_a")["live_slots"]
+    shared = np.arange(MiB // 8, dtype=np.int64)
+    value = {"a": np.full(MiB, 1, np.uint8), "b": [shared, shared], "c": b"x" * (MiB // 2)}
+    staged = stage_tree(value, rv.TransferOptions(), None)
+    handles = {staged["a"].handle, staged["b"][0].handle, staged["b"][1].handle}
+    assert len(handles) == 1 and staged["c"].handle in handles
+    assert agent_info("node_a")["live_slots"] == before + 1
+    got = resolve(staged)
+    assert np.array_equal(got["a"], value["a"]) and got["c"] == value["c"]
+    assert all(np.array_equal(v, shared) for v in got["b"])
+    del got
+    wait_for("the slot released", lambda: agent_info("node_a")["live_slots"] == before)
 
 
 def test_a_stream_closed_at_its_yield_releases_the_item_it_handed_out(velo: None) -> None:

@@ -22,11 +22,11 @@ def staged(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bytes, str | None]]:
     """What the transport stages: each payload's bytes and the device it says they came from."""
     calls: list[tuple[bytes, str | None]] = []
 
-    def stage(obj: Any, **kwargs: Any) -> DataHandle:
-        calls.append((np.asarray(obj).tobytes(), kwargs.get("staged_from")))
-        return DataHandle(7, len(calls))
+    def stage_packed(parts: list[Any], **kwargs: Any) -> tuple[DataHandle, list[int]]:
+        calls.extend((np.asarray(part).tobytes(), kwargs.get("staged_from")) for part in parts)
+        return DataHandle(7, 1), rdt.session.pack_layout([part.nbytes for part in parts])[0]
 
-    monkeypatch.setattr(rdt.session, "stage", stage)
+    monkeypatch.setattr(rdt.session, "stage_packed", stage_packed)
     monkeypatch.setattr(rdt, "host_tensor", lambda t: torch.Tensor(t.detach().contiguous()))
     return calls
 
@@ -41,13 +41,14 @@ def test_declared_devices() -> None:
 def test_a_cuda_object_is_staged_through_host_and_says_so(
     staged: list[tuple[bytes, str | None]],
 ) -> None:
-    """Two CUDA tensors (one bfloat16: raw bytes travel): each staged once from a host copy,
-    marked staged_from="cuda" so the agent counts it; the metadata says cuda."""
+    """Two CUDA tensors (one bfloat16: raw bytes travel): packed into one slot, each from a
+    host copy, marked staged_from="cuda" so the agent counts it; the metadata says cuda."""
     values = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16)]
     meta = rdt.VeloTensorTransport().extract_tensor_transport_metadata(
         "obj", [fake_cuda(v) for v in values]
     )
-    assert meta.tensor_device == "cuda" and len(meta.handles) == 2
+    assert meta.tensor_device == "cuda" and meta.handle == DataHandle(7, 1)
+    assert meta.offsets == [0, 64] and meta.nbytes == 64 + 8
     assert [from_ for _, from_ in staged] == ["cuda", "cuda"]
     assert staged[0][0] == values[0].numpy().tobytes()
     assert staged[1][0] == values[1].view(torch.uint8).numpy().tobytes()
@@ -76,9 +77,14 @@ def receive(
 
     transport = rdt.VeloTensorTransport()
     monkeypatch.setattr(rdt, "to_fetch_device", to_fetch_device)
-    monkeypatch.setattr(transport, "_receive_owned", lambda *args: torch.tensor([1.0, 2.0, 3.0]))
+    slot = np.array([1.0, 2.0, 3.0], dtype=np.float32).view(np.uint8)
+    monkeypatch.setattr(transport, "_fetch", lambda *args: slot.copy())
     meta = rdt.VeloTransportMetadata(
-        tensor_meta=[((3,), torch.float32)], tensor_device=device, handles=[DataHandle(7, 1)]
+        tensor_meta=[((3,), torch.float32)],
+        tensor_device=device,
+        handle=DataHandle(7, 1),
+        nbytes=12,
+        offsets=[0],
     )
     out = transport.recv_multiple_tensors("obj", meta, rdt.VeloCommunicatorMetadata(), targets)
     return out, moved

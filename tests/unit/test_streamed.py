@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ray_velo.config import MiB
 from ray_velo.errors import HandleNotFound
@@ -243,11 +245,49 @@ def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
     source = memoryview(payload(6 * MiB))
     writer = session._BackgroundWriter()
     broken = memoryview(bytearray(1 * MiB))  # too small: the copy raises
-    writer.write(Agent(), first, broken, source)  # type: ignore[arg-type]
+    writer.write(Agent(), first, broken, [(0, source)])  # type: ignore[arg-type]
     target = bytearray(6 * MiB)
-    writer.write(Agent(), second, memoryview(target), source)  # type: ignore[arg-type]
+    writer.write(Agent(), second, memoryview(target), [(0, source)])  # type: ignore[arg-type]
     wait_for(lambda: (second, 6 * MiB) in notices)
     assert notices[0] == (first, -1)
     assert bytes(target) == bytes(source)
     writer.close()  # what a session's end does: the thread is joined, not left to idle out
     assert not velo_threads()
+
+
+@given(st.lists(st.integers(0, 300), max_size=12))
+def test_a_packed_layout_aligns_each_part_and_overlaps_none(sizes: list[int]) -> None:
+    from ray_velo.session import PACK_ALIGN, pack_layout
+
+    offsets, total = pack_layout(sizes)
+    assert len(offsets) == len(sizes)
+    end = 0
+    for offset, size in zip(offsets, sizes, strict=True):
+        assert offset % PACK_ALIGN == 0 and end <= offset < end + PACK_ALIGN
+        end = offset + size
+    assert total == end
+
+
+def test_packed_pieces_land_at_their_offsets_and_the_gaps_are_zeroed() -> None:
+    """Many parts streamed into one slot: each at its offset, the padding between them
+    zeroed (no stale bytes of the slot's last payload reach a reader), the agent told a
+    growing count of bytes ending at the slot's size."""
+    from ray_velo import session
+
+    notices: list[int] = []
+
+    class Agent:
+        def notify(self, method: str, handle: DataHandle, upto: int) -> None:
+            notices.append(upto)
+
+    parts = [np.full(n, i + 1, np.uint8) for i, n in enumerate([3, 5 * MiB, 0, 70, 4 * MiB + 1])]
+    offsets, total = session.pack_layout([p.nbytes for p in parts])
+    dest = bytearray(b"\xff" * total)
+    pieces = list(zip(offsets, parts, strict=True))
+    session._write_streamed(Agent(), DataHandle(1, 1), memoryview(dest), pieces)  # type: ignore[arg-type]
+    written = np.frombuffer(dest, np.uint8)
+    expected = np.zeros(total, np.uint8)
+    for offset, part in zip(offsets, parts, strict=True):
+        expected[offset : offset + part.nbytes] = part
+    assert np.array_equal(written, expected)
+    assert notices == sorted(notices) and notices[-1] == total and len(notices) >= 2
