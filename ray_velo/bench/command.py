@@ -339,12 +339,13 @@ def _preflight(args: argparse.Namespace) -> None:
         except TestbedUnavailable as exc:
             raise BenchRefused(f"--two-host: {exc}") from None
     if args.transport and not args.without_nixl:
-        from ray_velo.bench.transport import nixl_available
+        from ray_velo.bench.transport import nixl_unusable
 
-        if not nixl_available():
+        why = nixl_unusable()
+        if why is not None:
             raise BenchRefused(
-                "--transport measures VELO beside Ray's NIXL, which is not installed here: "
-                "pip install 'ray-velo[nixl]', or add --without-nixl"
+                f"--transport measures VELO beside Ray's NIXL, which cannot run here ({why}); "
+                "or add --without-nixl"
             )
     if args.plot:
         try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import statistics
 import time
@@ -117,8 +118,21 @@ class _FreshPair(NamedTuple):
 
 
 def nixl_available() -> bool:
-    """Whether Ray's NIXL transport can be measured here (the ``nixl`` package is installed)."""
-    return importlib.util.find_spec("nixl") is not None
+    """Whether Ray's NIXL transport can be measured here (:func:`nixl_unusable` says none)."""
+    return nixl_unusable() is None
+
+
+def nixl_unusable() -> str | None:
+    """Why Ray's NIXL transport cannot run in this environment (the ``nixl`` package
+    missing, or its backend for this machine's CUDA stack), None when it can: ``import
+    nixl`` picks that backend, and Ray's actors fail the same way without it."""
+    if importlib.util.find_spec("nixl") is None:
+        return "the nixl package is not installed (pip install 'ray-velo[nixl]')"
+    try:
+        importlib.import_module("nixl")
+    except Exception as exc:  # its own ImportError names the wheel that is missing
+        return f"import nixl fails: {exc}"
+    return None
 
 
 def measure_transports(

@@ -168,10 +168,33 @@ def test_a_plot_of_sittings_without_sizes_is_refused_in_one_line(
 def test_transport_without_nixl_is_refused_unless_asked(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where NIXL is not installed, ``--transport`` (VELO beside NIXL) says so in one line
-    and names both ways on; nothing runs."""
-    monkeypatch.setattr("ray_velo.bench.transport.nixl_available", lambda: False)
+    """Where NIXL is not installed, or its package cannot load its backend (a CUDA 13 stack
+    beside nixl-cu12 only), ``--transport`` (VELO beside NIXL) says why in one line and names
+    the way on; nothing runs."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "nixl" else real_find_spec(name, *a),
+    )
     assert cli.main(["bench", "--transport", "--sizes", "1"]) == 2
     err = capsys.readouterr().err
     assert "ray-velo[nixl]" in err and "--without-nixl" in err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.undo()
+
+    def broken_nixl(name: str) -> None:
+        raise ImportError("detected CUDA 13 but nixl-cu13 is not installed")
+
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "nixl" else real_find_spec(name, *a),
+    )
+    monkeypatch.setattr("importlib.import_module", broken_nixl)
+    assert cli.main(["bench", "--transport", "--sizes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "nixl-cu13 is not installed" in err and "--without-nixl" in err
     assert len(err.strip().splitlines()) == 1
