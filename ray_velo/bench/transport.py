@@ -278,7 +278,7 @@ def format_transport(
     lines = [
         f"tensor transports, actor -> actor, {where} (median of {result['reps']}; torch "
         "columns interleaved round by round):",
-        "    size   Ray store      NIXL      VELO   VELO/NIXL  VELO/Ray  VELO/raw link   "
+        "          payload   Ray store      NIXL      VELO   VELO/NIXL  VELO/Ray  VELO/raw link   "
         "numpy: store  VELO_NUMPY",
     ]
     for row in [*result["sizes"], *result.get("objects", [])]:
@@ -334,7 +334,7 @@ def _size_line(row: dict[str, Any], raw: float | None) -> str:
     to_raw = f"{raw / s['torch_velo']:13.2f}" if raw else "            -"
     name = row.get("object") or _size_text(size)
     return (
-        f"  {name:>6s}  {ms('torch_plain')}  {ms('torch_nixl')}  "
+        f"  {name:>15s}  {ms('torch_plain')}  {ms('torch_nixl')}  "
         f"{ms('torch_velo')}  {speedup('torch_nixl')}  {speedup('torch_plain')}  {to_raw}"
         f"      {ms('numpy_plain')}    {ms('numpy_velo')}"
     )
