@@ -83,8 +83,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
             )
     if args.fan_out and not args.two_host:
         return "--fan-out needs --two-host (readers on another host)"
-    if args.fan_out and (args.transport or args.shapes):
-        return "--fan-out is a mode of its own: not with --transport or --shapes"
+    if args.fan_out and args.shapes:
+        return "--fan-out is a mode of its own: not with --shapes"
     if args.shapes and not args.two_host:
         return "--shapes needs --two-host (the shapes we sell, measured across two hosts)"
     if args.checkout and not args.shapes:
@@ -200,6 +200,8 @@ def _two_host(args: argparse.Namespace) -> Outcome:
     security: Security = {"auth": args.auth, "tls": args.tls}
     links = _links(args)
     sizes = _sizes(args, "256")
+    if args.fan_out and args.transport:
+        return _broadcast(args, links, security)
     if args.fan_out:
         return _fan_out(args, links, sizes[0], security)
     if args.transport:
@@ -245,6 +247,20 @@ def _fan_out(args: argparse.Namespace, links: list[str], size: int, security: An
         for link, row in rows.items()
     }
     return Outcome("fan-out", text, rows, shapes, links)
+
+
+def _broadcast(args: argparse.Namespace, links: list[str], security: Any) -> Outcome:
+    from ray_velo.bench.broadcast import WEIGHTS, format_broadcast
+    from ray_velo.bench.twohost import run_two_host_fan_out
+
+    hosts = args.hosts or 2
+    rows = run_two_host_fan_out(links, 0, args.fan_out, args.reps, hosts, security, weights=True)
+    text = format_broadcast(rows, args.fan_out, hosts)
+    shapes = {
+        f"{WEIGHTS} to {args.fan_out} readers on {hosts} hosts @{link}": dict(row["seconds"])
+        for link, row in rows.items()
+    }
+    return Outcome("weights broadcast", text, rows, shapes, links, "tcp")
 
 
 def _two_host_transport(
@@ -441,7 +457,8 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=0,
         metavar="K",
         help="with --two-host: one payload from host a to K readers at once (on host b, or "
-        "round-robin over b, c, ... with --hosts), Ray vs ray_velo",
+        "round-robin over b, c, ... with --hosts), Ray vs ray_velo; with --transport too: one "
+        "RDT weights ref (GPT-2's state dict) to K rollout actors, VELO vs NIXL vs Ray's store",
     )
     bench.add_argument(
         "--hosts",

@@ -12,12 +12,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["format_fan_out", "hosts_text", "measure_fan_out", "reader_hosts"]
+__all__ = [
+    "agent_counters",
+    "format_fan_out",
+    "hosts_text",
+    "measure_fan_out",
+    "per_round",
+    "reader_hosts",
+]
 
 #: Uncounted rounds first: each staging miss of a new size warms one more arena up (three
 #: left 10-30% of the measured rounds on the two-host testbed missing, six 0-14%).
 _WARM_UP_ROUNDS = 6
-#: The key :func:`_counters` adds beside the fetch paths (rdma, chunked, cache), and the
+#: The key :func:`agent_counters` adds beside the fetch paths (rdma, chunked, cache), and the
 #: agent metric it counts: fetches whose bytes came from another consumer node's copy.
 _RELAYED = "relayed"
 _RELAYED_METRIC = "velo_relay_fetches_total"
@@ -46,7 +53,7 @@ def hosts_text(indices: Sequence[int]) -> str:
     return ("host " if len(names) == 1 else "hosts ") + ", ".join(names)
 
 
-def _counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
+def agent_counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
     """The fetch counters (by path: rdma, chunked, cache) and the relayed fetches
     (``"relayed"``) of every reader host's agent, summed over those hosts."""
     import ray
@@ -69,7 +76,7 @@ def _counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
     return total
 
 
-def _per_round(before: Counter[str], after: Counter[str], reps: int) -> dict[str, float]:
+def per_round(before: Counter[str], after: Counter[str], reps: int) -> dict[str, float]:
     """Per measured round: transfers over a link (rdma + chunked), of which relayed (from
     another reader host's copy rather than host a), node-local copies read, and payloads
     that rode inside Ray's call (``inline``: no transfer of ours)."""
@@ -115,7 +122,7 @@ def measure_fan_out(
     ``ray`` and ``velo`` with ``k`` readers, and ``velo_one`` with one reader on
     ``on_readers[0]`` (host b), the three interleaved round by round after their warm-up
     rounds; for the ray_velo columns also ``<column>_transfers``, ``_relayed``, ``_copies``
-    and ``_inline`` per round (see :func:`_per_round`), and ``velo_slowest_round_speed``:
+    and ``_inline`` per round (see :func:`per_round`), and ``velo_slowest_round_speed``:
     the lowest of Ray's time over ray_velo's in the same round.
 
     ``on_readers`` holds the resources that place a task on each reader host (b, c, ...);
@@ -151,7 +158,7 @@ def measure_fan_out(
         tick(f"  {column} rounds: " + " ".join(f"{t * 1e3:.0f}" for t in seconds) + " ms")
         out[column] = statistics.median(seconds)
         if column != "ray":
-            counts = _per_round(Counter(), moved[column], reps)
+            counts = per_round(Counter(), moved[column], reps)
             out.update({f"{column}_{name}": value for name, value in counts.items()})
     speeds = [r / v for r, v in zip(times["ray"], times["velo"], strict=True)]
     tick("  velo/Ray speed round by round: " + " ".join(f"{x:.2f}x" for x in speeds))
@@ -177,7 +184,7 @@ def _interleaved_rounds(
         counted = rep >= _WARM_UP_ROUNDS
         for column, (producer, readers) in live.items():
             agents_count = counted and column != "ray"  # undecorated: the agents take no part
-            before = _counters(agents) if agents_count else Counter()
+            before = agent_counters(agents) if agents_count else Counter()
             started = time.perf_counter()
             ref = producer.batch.remote()
             ray.get([r.read.remote(ref) for r in readers])
@@ -185,7 +192,7 @@ def _interleaved_rounds(
                 times[column].append(time.perf_counter() - started)
             del ref
             if agents_count:
-                moved[column] += _counters(agents) - before
+                moved[column] += agent_counters(agents) - before
     return times, moved
 
 

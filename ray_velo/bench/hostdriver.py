@@ -233,6 +233,26 @@ def measure_fan_out_here(size: int, k: int, reps: int) -> dict[str, Any]:
     return result
 
 
+def measure_broadcast_here(k: int, reps: int) -> dict[str, Any]:
+    """``ray-velo bench --two-host --transport --fan-out K [--hosts N]``: one RDT weights ref
+    from host a to K rollout actors on the other hosts (b, c, ...)."""
+    import ray_velo as rv
+    from ray_velo.bench.broadcast import measure_broadcast
+    from ray_velo.testbed import connect
+
+    info = connect()
+    rv.init()
+    result = measure_broadcast(
+        {info.hosts[0].resource: 1},
+        [{host.resource: 1} for host in info.hosts[1:]],
+        k,
+        reps,
+        tick=lambda text: _say(f"  {text}"),
+    )
+    rv.shutdown()
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ray_velo.bench.hostdriver")
     parser.add_argument("--sizes", required=True, help="payload sizes in bytes, comma separated")
@@ -248,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.fan_out:
+    if args.fan_out and args.transport:
+        result = measure_broadcast_here(args.fan_out, args.reps)
+    elif args.fan_out:
         result = measure_fan_out_here(sizes[0], args.fan_out, args.reps)
     elif args.transport:
         result = measure_transport(sizes, args.reps)

@@ -27,10 +27,10 @@ OBJECTS = ("state dict", "1000 x 4 KiB")
 #: What ``make`` builds for a payload of one tensor.
 ONE_TENSOR = "tensor"
 
-__all__ = ["OBJECTS", "format_transport", "measure_transports"]
+__all__ = ["OBJECTS", "format_transport", "measure_transports", "transport_classes"]
 
 
-def _classes(with_nixl: bool) -> tuple[Any, Any]:
+def transport_classes(with_nixl: bool) -> tuple[Any, Any]:
     """The producer and consumer actor classes (defined once the transports are registered:
     Ray checks a tensor_transport name when the class is defined)."""
     import numpy as np
@@ -154,7 +154,7 @@ def measure_transports(
 
     rv.register_transports()
     with_nixl = nixl_available()
-    producer_cls, consumer_cls = _classes(with_nixl)
+    producer_cls, consumer_cls = transport_classes(with_nixl)
     # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
     make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
     producer_actor, consumer_actor = make_actor(producer_cls), make_actor(consumer_cls)

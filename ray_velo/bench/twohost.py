@@ -209,10 +209,14 @@ def run_two_host_fan_out(
     reps: int = 5,
     hosts: int = 2,
     security: Security = DEFAULT_SECURITY,
-) -> dict[str, dict[str, float]]:
+    *,
+    weights: bool = False,
+) -> dict[str, dict[str, Any]]:
     """``--fan-out K [--hosts N]``: one payload from host a to K readers spread round-robin
     over hosts b, c, ... of an ``hosts``-host testbed, across each link (one testbed each):
-    per link, what :func:`~ray_velo.bench.fanout.measure_fan_out` measured.
+    per link, what :func:`~ray_velo.bench.fanout.measure_fan_out` measured. ``weights``
+    (``--transport``): one RDT ref of GPT-2's state dict instead, VELO beside NIXL and Ray's
+    store (:func:`~ray_velo.bench.broadcast.measure_broadcast`; ``size`` unused).
 
     Raises:
         ValueError: ``hosts`` below 2 or above the testbed's 26, or ``k`` below 1.
@@ -223,12 +227,14 @@ def run_two_host_fan_out(
     from ray_velo.testbed import Testbed
 
     placed = hosts_text(reader_hosts(k, hosts))
+    what = "one weights ref" if weights else "fan-out"
+    extra = ["--fan-out", str(k), *(["--transport"] if weights else [])]
     rows = {}
     for link in links:
-        sys.stderr.write(f"{hosts}-host testbed, link {link}: fan-out to {k} on {placed}\n")
+        sys.stderr.write(f"{hosts}-host testbed, link {link}: {what} to {k} on {placed}\n")
         store = max(1 << 30, 4 * size)
         with Testbed(hosts=hosts, link=link, object_store_bytes=store, **security) as testbed:
-            rows[link] = _drive(testbed, [size], reps, ["--fan-out", str(k)])
+            rows[link] = _drive(testbed, [size], reps, extra)
     return rows
 
 

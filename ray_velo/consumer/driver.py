@@ -55,7 +55,7 @@ from ray_velo.errors import (
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.memory.pool import Placement, Registration
 from ray_velo.memory.windows import WindowSet
-from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES
+from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES, Relay
 from ray_velo.owner.state import ReadMode
 from ray_velo.protocol import (
     AcquireRequest,
@@ -79,6 +79,9 @@ GetRange = Callable[[str, RdmaDescriptor, int, int, float], None]
 
 _log = logging.getLogger(__name__)
 
+#: The longest a receive into a PinnedWriter waits for other nodes reading its copy (they lag
+#: a piece behind: 0.13 s at 1 Gbit/s) before it sends them to the owner for the rest.
+LENT_READERS_WAIT_S = 30.0
 #: Floor of the consumer's RDMA lease renewal period (docs/protocol.md §11: 5 ms).
 RENEW_FLOOR_S = 0.005
 
@@ -255,8 +258,9 @@ class _Run:
             claim=instruction.claim,
             consumer_node=self.core.node_id,
             consumer_worker=self.core.worker_id,
-            # a copy other fetches (and other nodes) can find: not the get family's own
-            copies=self.core.serves_copies and self.machine.mode != "hold" and not self.writer_rid,
+            # a copy other nodes can read (and, but in a PinnedWriter, later fetches here
+            # find): not the get family's own
+            copies=self.core.serves_copies and self.machine.mode != "hold",
         )
         return Answered(await acquire(self.link, request, self.deadline))
 
@@ -355,11 +359,18 @@ class _Run:
         if wanted and self.dest.windows is not None:  # plain: no other node can GET it
             self.link.send("_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id))
             wanted = False
+        lent: Relay | None = None
         if wanted and self.dest.fid is not None and self.machine.mode != "hold":
             with core.lock:
                 relayed = core.consumer_state.relay_open(
                     self.handle, self.dest.fid, answer.total_len
                 )
+        elif wanted and self.writer_rid and self.machine.mode != "hold":
+            with core.lock:
+                lent = core.consumer_state.relay_open_lent(
+                    self.handle, self._buffer(), answer.total_len
+                )
+            relayed = lent is not None
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
         def get_range(
@@ -384,11 +395,40 @@ class _Run:
                     self._left(until),
                 )
         except BaseException:
-            if relayed:  # the owner must not point anyone else at it
+            if relayed and lent is None:  # the owner must not point anyone else at it
                 self.link.send(
                     "_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id)
                 )
             raise
+        finally:
+            if lent is not None:
+                self._close_lent(lent)
+
+    def _close_lent(self, relay: Relay) -> None:
+        """The GET into a PinnedWriter returned: the owner points nobody else at its copy,
+        and the readers already on it finish before the writer, and so the bytes, become
+        its process's to write. Readers renew their relay lease with each piece, so the
+        wait ends with the last one; past :data:`LENT_READERS_WAIT_S` they are sent to the
+        owner for the rest, once a GET of theirs in flight has had its time."""
+        core, state = self.core, self.core.consumer_state
+        with core.lock:
+            state.relay_seal(relay)
+        self.link.send("_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id))
+        done = core.wait_until(
+            lambda: not state.relay_reading(relay, core.clock()),
+            time.monotonic() + LENT_READERS_WAIT_S,
+        )
+        with core.lock:
+            state.relay_close_lent(relay)  # a reader's next renewal: go to the owner
+        if not done:
+            _log.warning(
+                "ray_velo: other nodes still read the copy of %s after %.0f s; they read the "
+                "rest from its owner",
+                self.handle,
+                LENT_READERS_WAIT_S,
+            )
+            # a reader's GET ends within half its relay lease (read_relay's bound)
+            time.sleep(core.config.rdma.rendezvous.lease_timeout / 2)
 
     def _read_copy(self, answer: Rdma, until: float, get_range: GetRange) -> int:
         """Bytes read from the copy on ``answer.relay_node`` (see :func:`read_relay`); a copy

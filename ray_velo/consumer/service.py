@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections import Counter
 from typing import Any
 
 from ray_velo import nonblocking
@@ -44,10 +45,14 @@ class ConsumerService:
         self.owner = owner
         self.driver = FetchDriver(core, peers)
         #: Serves this node's copies to other nodes' agents (``_rv_relay``).
-        self.relays = RelayServer(core, lambda handle: handle in self._flights)
+        self.relays = RelayServer(
+            core, lambda handle: handle in self._flights or handle in self._into_writers
+        )
         #: Transfers in flight by handle (on the event loop): a second fetch of one waits
         #: for it and reads its node-local copy, so the bytes cross the link once.
         self._flights: dict[DataHandle, asyncio.Future[None]] = {}
+        #: Fetches into PinnedWriters in flight by handle (their copies relay as they fill).
+        self._into_writers: Counter[DataHandle] = Counter()
         self._inflight = 0
         self._inflight_cond = threading.Condition(threading.Lock())
 
@@ -170,6 +175,7 @@ class ConsumerService:
         core = self.core
         with core.lock:
             pending = core.reservations.fill_begin(writer_rid)  # its buffer stays until we end
+        self._into_writers[handle] += 1
         try:
             buffer = pending.buffer
             if not isinstance(buffer, Placement):  # fill_begin takes none without memory
@@ -179,6 +185,9 @@ class ConsumerService:
                 link, handle, mode, deadline, pid, blocking, writer_rid, buffer
             )
         finally:
+            self._into_writers[handle] -= 1
+            if not self._into_writers[handle]:
+                del self._into_writers[handle]
             with core.changing() as fx:
                 core.reservations.fill_end(writer_rid, fx)
 

@@ -47,6 +47,9 @@ class ConsumerState:
         self._relays: dict[DataHandle, Relay] = {}
         self._relay_fids: dict[int, DataHandle] = {}
         self._relayed: dict[int, tuple[Buffer, bool]] = {}
+        #: PinnedWriters' buffers that other nodes read while a fetch fills them, by relay id
+        #: (the writer's reservation owns the memory: never in the ledger here).
+        self._lent: dict[int, Buffer] = {}
         self._relay_leases = IdSequence(id_key, b"relay")
         #: Copies the owner counts: kept past their last reader until it says the handle ended.
         self._kept: set[DataHandle] = set()
@@ -192,6 +195,45 @@ class ConsumerState:
         self._kept.add(remote)
         return True
 
+    def relay_open_lent(self, remote: DataHandle, buffer: Buffer, total_len: int) -> Relay | None:
+        """A fetch into a PinnedWriter fills ``buffer`` with ``remote``'s bytes: other nodes
+        may read it as it fills, until :meth:`relay_seal` (then the writer is its process's,
+        which may write it: the copy is never kept). None (not relayed) while an older copy
+        of it still has readers."""
+        old = self._relays.get(remote)
+        if old is not None and (not old.failed or old.readers):
+            return None
+        relay = Relay(remote, total_len, next(self._fetch_ids))
+        assert relay.fid is not None
+        self._lent[relay.fid] = buffer
+        self._relays[remote] = relay
+        self._relay_fids[relay.fid] = remote
+        return relay
+
+    @staticmethod
+    def relay_seal(relay: Relay) -> None:
+        """The fetch filling lent copy ``relay`` returned: nobody new joins; its readers
+        finish what landed (all of it, or as far as a failed fetch got)."""
+        relay.sealed = True
+        relay.failed = relay.landed < relay.total_len
+
+    @staticmethod
+    def relay_reading(relay: Relay, now: float) -> bool:
+        """Whether a reader of ``relay`` may still GET its bytes: one holds a relay lease not
+        yet past its deadline (a reader's GET ends within its lease)."""
+        return any(due > now for due in relay.readers.values())
+
+    def relay_close_lent(self, relay: Relay) -> None:
+        """Lent copy ``relay`` is its writer's alone again (sealed, its readers gone or past
+        their leases): it serves nobody from now."""
+        assert relay.fid is not None and relay.sealed
+        relay.failed = True
+        relay.readers.clear()
+        del self._lent[relay.fid]
+        self._relay_fids.pop(relay.fid, None)
+        if self._relays.get(relay.remote) is relay:
+            del self._relays[relay.remote]
+
     def relay_landed(self, remote: DataHandle, landed: int) -> None:
         """Bytes ``[0, landed)`` of the copy being filled are final."""
         relay = self._relays.get(remote)
@@ -209,6 +251,8 @@ class ConsumerState:
             return None if isinstance(location, RegionSlot) else location
         if relay.fid in self._fetches:
             return self._fetches[relay.fid][0]
+        if relay.fid in self._lent:
+            return self._lent[relay.fid]
         return self._relayed[relay.fid][0] if relay.fid in self._relayed else None
 
     def relay_join(self, remote: DataHandle, now: float, timeout: float) -> tuple[int, Relay]:
@@ -218,7 +262,7 @@ class ConsumerState:
             HandleNotFound: no copy of it here (or it failed).
         """
         relay = self._relays.get(remote)
-        if relay is None or relay.failed:
+        if relay is None or relay.failed or relay.sealed:
             raise HandleNotFound(
                 handle=str(remote), node=self.owner.node, reason="no copy of it here"
             )
@@ -347,6 +391,7 @@ class ConsumerState:
         for fid, (buffer, pinned) in list(self._relayed.items()):
             self.ledger.give_back(buffer, f"relayed:{fid}", pinned, fx)
         self._relayed.clear()
+        self._lent.clear()
         self._relays.clear()
         self._relay_fids.clear()
         self._kept.clear()

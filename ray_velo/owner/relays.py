@@ -98,7 +98,9 @@ class Relay:
     fetch staged it, ``slot_id`` names the node-local copy. ``landed``: bytes ``[0, landed)``
     are final. ``readers``: relay lease id -> deadline; while a reader holds one, the bytes
     stay (a read in progress on the slot, or ``relayed:<fid>`` after a failed fetch).
-    ``failed``: no more bytes will land (the fetch failed or the copy ended).
+    ``failed``: no more bytes will land (the fetch failed or the copy ended). ``sealed``: a
+    copy in a PinnedWriter whose fetch returned: its readers finish, nobody new joins (the
+    writer is its process's once they did).
     """
 
     remote: DataHandle
@@ -107,4 +109,5 @@ class Relay:
     slot_id: int | None = None
     landed: int = 0
     failed: bool = False
+    sealed: bool = False
     readers: dict[int, float] = field(default_factory=dict)

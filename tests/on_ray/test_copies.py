@@ -172,3 +172,64 @@ def test_a_reader_whose_copy_dies_mid_read_finishes_from_the_owner(
     rv.release(handle, 0)  # node c's lease on it is reaped a lease timeout later
     wait_for("node c's agent is gone", lambda: not pid_alive(dead_pid))
     assert cleanup_local(TEST_CONFIG.shm_dir).removed  # what the killed agent left
+
+
+@pytest.fixture()
+def torch_velo() -> Any:
+    """torch, with ``"VELO"`` registered in this driver (ray_velo came first)."""
+    torch = pytest.importorskip("torch")
+    rv.register_transports()
+    return torch
+
+
+def test_one_weights_ref_to_two_nodes_reads_the_first_receivers_copy(
+    nodes: dict[str, str], torch_velo: Any
+) -> None:
+    """One RDT ref of a trainer on node a taken by rollout actors on nodes b and c (the
+    weight-sync shape): node c's receive reads node b's PinnedWriter as it fills (the link
+    out of node a carries the bytes once). Node b's receiver zeroes its tensor the moment it
+    has it: node c's bytes are still the trainer's (node b's receive returns only once node
+    c's reads of its copy ended), and no relay or lent copy is left on node b."""
+    torch = torch_velo
+
+    @ray.remote(num_cpus=0, resources={"node_a": 1}, enable_tensor_transport=True)
+    class Trainer:
+        @ray.method(tensor_transport="VELO")
+        def weights(self) -> Any:
+            return torch.from_numpy(pattern(SIZE, 13))
+
+    @ray.remote(num_cpus=0, enable_tensor_transport=True)
+    class Rollout:
+        def load(self, weights: Any, zero: bool) -> int:
+            crc = zlib.crc32(weights.numpy())
+            if zero:
+                weights.fill_(0)  # its own tensor: nobody else may see this write
+            return crc
+
+    trainer = Trainer.remote()
+    b_actor = Rollout.options(resources={"node_b": 1}).remote()
+    c_actor = Rollout.options(resources={"node_c": 1}).remote()
+    ray.get(
+        [b_actor.load.remote(torch.zeros(1), False), c_actor.load.remote(torch.zeros(1), False)]
+    )
+    ref = trainer.weights.remote()
+    want = zlib.crc32(pattern(SIZE, 13))
+    b, c = nodes["node_b"], nodes["node_c"]
+    before = relayed(c)
+    # node b fills its copy slowly; node c reads it slower still (it lags two pieces behind
+    # when node b has all its bytes): node b's receive must wait for it
+    ray.get(ensure_agent(b).inject_fault.remote("copy_piece_pause_s", 0.5))
+    ray.get(ensure_agent(c).inject_fault.remote("copy_piece_pause_s", 1.5))
+    sources = info(nodes["node_a"])["copy_sources"]
+    first = b_actor.load.remote(ref, True)
+    wait_for(
+        "the owner counts node b's copy",
+        lambda: info(nodes["node_a"])["copy_sources"] > sources,
+    )
+    second = c_actor.load.remote(ref, False)
+    assert ray.get([first, second], timeout=120) == [want, want]
+    assert relayed(c) == before + 1  # node c's bytes came from node b's PinnedWriter
+    assert info(b)["relay_readers"] == 0
+    wait_for("the owner forgot node b's copy", lambda: info(nodes["node_a"])["copy_sources"] == 0)
+    for actor in (trainer, b_actor, c_actor):
+        ray.kill(actor)

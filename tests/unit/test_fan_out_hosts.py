@@ -57,3 +57,29 @@ def test_the_two_host_table_keeps_host_b_and_tolerates_missing_counts() -> None:
     assert text.startswith("256 MiB to 3 readers on host b at once, median of 7 rounds:")
     assert "host b's agent moved the bytes over a link 0.0 times" in text
     assert "(0.0 relayed" in text
+
+
+def test_the_weights_table_puts_each_transport_beside_its_one_reader_time() -> None:
+    """``--transport --fan-out 4 --hosts 5``: a line per transport with one reader's time,
+    K's and K's over one's; under it, how often host a's link carried VELO's weights."""
+    from ray_velo.bench.broadcast import format_broadcast
+
+    rows = {
+        "1gbit": {
+            "seconds": dict(velo=4.4, velo_one=4.0, nixl=17.0, nixl_one=4.25, ray=9.0, ray_one=4.5),
+            "velo_moved": {"transfers": 4.0, "relayed": 3.0, "copies": 0.0, "inline": 0.0},
+            "consistent": True,
+            "size_bytes": 497_759_232,
+            "reps": 5,
+            "nixl": True,
+        }
+    }
+    lines = format_broadcast(rows, k=4, hosts=5).splitlines()
+    assert lines[0].startswith("one weights ref (GPT-2 small's state dict, 498 MB, 148 tensors)")
+    assert "to 4 rollout actors on hosts b, c, d, e, median of 5 rounds" in lines[0]
+    assert lines[3].split() == ["1gbit", "VELO", "4000ms", "4400ms", "1.10x"]
+    assert lines[4].split() == ["NIXL", "4250ms", "17000ms", "4.00x"]
+    assert lines[5].split() == ["Ray's", "store", "4500ms", "9000ms", "2.00x"]
+    assert "4.0 times, 3.0 of them from another receiver host's copy" in lines[6]
+    assert "(host a's link carried them 1.0 times)" in lines[6]
+    assert "WARNING" not in "\n".join(lines)

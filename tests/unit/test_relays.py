@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ray_velo.consumer.state import KEPT_IDLE_S
 from ray_velo.errors import HandleNotFound, LeaseNotFound
-from ray_velo.owner.relays import CopySources
+from ray_velo.owner.relays import CopySources, Relay
 from ray_velo.owner.state import Effects
 from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.states import AgentStates
@@ -207,6 +207,49 @@ def test_shutdown_gives_every_copy_back_readers_or_not() -> None:
     state.validate()
 
 
+def test_a_copy_in_a_pinned_writer_serves_while_it_fills_and_its_readers_finish_after() -> None:
+    """A fetch into a PinnedWriter relays its buffer (never the ledger's: the writer's
+    reservation owns it). Once the fetch returned (sealed) nobody new joins, the readers on
+    it go on renewing and reading what landed; the writer is its process's again only when
+    no reader may still GET it."""
+    state = AgentStates.new(WORKER)
+    relay = state.consumer.relay_open_lent(REMOTE, Buf(5), 4096)
+    assert relay is not None
+    assert state.consumer.relay_open_lent(REMOTE, Buf(6), 4096) is None  # one copy at a time
+    state.consumer.relay_landed(REMOTE, 4096)
+    lease_id, joined = state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
+    assert joined is relay and state.consumer.relay_buffer(relay) == Buf(5)
+    assert not state.owner.ledger.held()
+    state.consumer.relay_seal(relay)
+    with pytest.raises(HandleNotFound):
+        state.consumer.relay_join(REMOTE, 0.1, LEASE_S)
+    assert state.consumer.relay_renew(REMOTE, lease_id, 0.5, LEASE_S).landed == 4096
+    assert state.consumer.relay_reading(relay, 1.0)  # its lease runs to 1.5
+    state.consumer.relay_leave(REMOTE, lease_id, 1.0, Effects())
+    assert not state.consumer.relay_reading(relay, 1.0)
+    state.consumer.relay_close_lent(relay)
+    assert state.consumer.relay(REMOTE) is None and state.consumer.relay_readers == 0
+    state.validate()
+
+
+def test_a_failed_fetch_into_a_pinned_writer_sends_its_readers_to_the_owner() -> None:
+    """Sealed short of its last byte: its readers' next renewal says the copy failed (they
+    read the rest from the owner); a reader that stops renewing frees it a lease later."""
+    state = AgentStates.new(WORKER)
+    relay = state.consumer.relay_open_lent(REMOTE, Buf(5), 4096)
+    assert relay is not None
+    state.consumer.relay_landed(REMOTE, 1024)
+    state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
+    state.consumer.relay_seal(relay)
+    assert relay.failed and relay.landed == 1024
+    assert state.consumer.relay_reading(relay, 0.9)
+    assert not state.consumer.relay_reading(relay, LEASE_S)  # its lease ran out unrenewed
+    state.consumer.relay_close_lent(relay)
+    assert state.consumer.relay(REMOTE) is None
+    # a new copy of the handle may open now
+    assert state.consumer.relay_open_lent(REMOTE, Buf(6), 4096) is not None
+
+
 class RelayMachine(RuleBasedStateMachine):
     """Fetches filling copies, other nodes' readers joining, renewing, leaving and expiring,
     local readers, the owner ending handles, sweeps, in any order: the ledger matches, no
@@ -222,6 +265,7 @@ class RelayMachine(RuleBasedStateMachine):
         self.filling: dict[int, DataHandle] = {}  # fid -> remote
         self.readers: dict[tuple[DataHandle, int], tuple[tuple[str, int], float]] = {}
         self.locals: list[tuple[DataHandle, int]] = []
+        self.lent: list[Relay] = []  # copies in PinnedWriters, filling or sealed
 
     def _apply(self, fx: Effects) -> None:
         live = {key for key, due in self.readers.values() if due > self.now}
@@ -241,11 +285,37 @@ class RelayMachine(RuleBasedStateMachine):
             self.state.consumer.fetch_give_back(fid, fx)
             self._apply(fx)
 
+    @rule(remote=st.sampled_from([REMOTE, OTHER]))
+    def lend(self, remote: DataHandle) -> None:
+        self.next_buf += 1
+        relay = self.state.consumer.relay_open_lent(remote, Buf(self.next_buf), 4096)
+        if relay is not None:
+            self.lent.append(relay)
+
+    @rule(data=st.data())
+    def seal_or_close(self, data: st.DataObject) -> None:
+        """A fetch into a PinnedWriter returns (sealed); the writer goes back to its process
+        once no reader may still GET it (the driver waits for that)."""
+        if not self.lent:
+            return
+        relay = self.lent[data.draw(st.integers(0, len(self.lent) - 1))]
+        consumer = self.state.consumer
+        if not relay.sealed:
+            consumer.relay_seal(relay)
+        elif not consumer.relay_reading(relay, self.now):
+            key = consumer.relay_buffer(relay).key
+            live = {k for k, due in self.readers.values() if due > self.now}
+            assert key not in live, f"{key} handed back while a node reads it"
+            consumer.relay_close_lent(relay)
+            self.lent.remove(relay)
+
     @rule(data=st.data(), landed=st.integers(0, 4096))
     def land(self, data: st.DataObject, landed: int) -> None:
         if self.filling:
             fid = data.draw(st.sampled_from(sorted(self.filling)))
             self.state.consumer.relay_landed(self.filling[fid], landed)
+        for relay in self.lent:
+            self.state.consumer.relay_landed(relay.remote, landed)
 
     @rule(data=st.data(), outcome=st.sampled_from(["stage", "give_back", "quarantine"]))
     def finish(self, data: st.DataObject, outcome: str) -> None:
@@ -323,6 +393,7 @@ class RelayMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         fx = Effects()
         self.state.clear(self.now, fx)
+        assert self.state.consumer.relay_readers == 0
         self.readers.clear()
         self._apply(fx)
         nothing_held_but_quarantine(self.state)

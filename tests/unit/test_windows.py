@@ -374,7 +374,10 @@ def test_a_held_lease_keeps_no_window_registered(windowed: AgentPair) -> None:
     assert registrar.live_registrations == 0
     assert windowed.owner.core.memory.budget.registered_bytes == 2 * MiB  # the lease's charge
     windowed.end(lease)
-    windowed.consumer.consumer.release_quietly(handle)
+    # the get family's release: the owner's lease it kept, and the reference
+    release = encode(ReleaseRequest(handle, lease.remote_lease_id))
+    windowed.consumer.consumer.route(handle, "_rv_release", release, 10.0)
+    assert windowed.owner.core.memory.budget.registered_bytes == 0
 
 
 def test_an_acquire_evicting_arenas_for_its_windows_holds_up_no_other_call(
