@@ -161,6 +161,12 @@ def format_broadcast(rows: dict[str, dict[str, Any]], k: int, hosts: int) -> str
                 f"{s[column] * 1e3:>9.0f}ms {s[column] / s[f'{column}_one']:>6.2f}x"
             )
             link = ""
+        if row.get("raw_one") and row.get("raw_chain"):
+            one, chain = row["raw_one"], row["raw_chain"]
+            lines.append(
+                f"{'':>8} {'raw link':>12} {one * 1e3:>8.0f}ms {chain * 1e3:>9.0f}ms "
+                f"{chain / one:>6.2f}x  (TCP streams a->b, and a chain of {k} at once)"
+            )
         m = row["velo_moved"]
         lines.append(
             f"{'':>8} per round, VELO's receivers moved the weights over a link "
@@ -173,6 +179,8 @@ def format_broadcast(rows: dict[str, dict[str, Any]], k: int, hosts: int) -> str
             lines.append("  NIXL: not installed here: no NIXL rows")
     lines.append(
         "K / 1: K rollout actors' time over one's on host b. VELO and Ray's store: long-lived "
-        "actors; NIXL: a fresh trainer and readers per round, warmed up first."
+        "actors; NIXL: a fresh trainer and readers per round, warmed up first; raw link: plain "
+        "TCP streams, one, then one per hop of a relay chain at once (what this machine's "
+        "CPUs allow the chain)."
     )
     return "\n".join(lines)

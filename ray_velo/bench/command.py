@@ -257,7 +257,10 @@ def _broadcast(args: argparse.Namespace, links: list[str], security: Any) -> Out
     rows = run_two_host_fan_out(links, 0, args.fan_out, args.reps, hosts, security, weights=True)
     text = format_broadcast(rows, args.fan_out, hosts)
     shapes = {
-        f"{WEIGHTS} to {args.fan_out} readers on {hosts} hosts @{link}": dict(row["seconds"])
+        f"{WEIGHTS} to {args.fan_out} readers on {hosts} hosts @{link}": {
+            **row["seconds"],
+            **{probe: row[probe] for probe in ("raw_one", "raw_chain") if probe in row},
+        }
         for link, row in rows.items()
     }
     return Outcome("weights broadcast", text, rows, shapes, links, "tcp")

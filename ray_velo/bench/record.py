@@ -228,6 +228,22 @@ _TABLES: dict[str, tuple[_Columns, _Speeds]] = {
             ("VELO / raw link", "raw_tcp", "torch_velo", ""),
         ),
     ),
+    "weights broadcast": (
+        (
+            ("VELO x1, ms", "velo_one"),
+            ("VELO xK, ms", "velo"),
+            ("NIXL xK, ms", "nixl"),
+            ("Ray's store xK, ms", "ray"),
+        ),
+        (
+            ("VELO xK / x1", "velo", "velo_one", "x"),
+            ("NIXL xK / x1", "nixl", "nixl_one", "x"),
+            ("Ray xK / x1", "ray", "ray_one", "x"),
+            ("raw chain / one stream", "raw_chain", "raw_one", "x"),
+            ("VELO / NIXL", "nixl", "velo", "x"),
+            ("VELO / Ray", "ray", "velo", "x"),
+        ),
+    ),
     "two-host": (
         (("Ray, ms", "ray"), ("`rv.put`, ms", "velo"), ("built in place, ms", "velo_built")),
         (
@@ -241,6 +257,8 @@ _TABLES: dict[str, tuple[_Columns, _Speeds]] = {
 
 def _table_kind(sitting: Mapping[str, Any]) -> str:
     mode = str(sitting.get("mode", ""))
+    if mode == "weights broadcast":
+        return mode
     if mode.endswith("transport"):
         return "transport"
     return "two-host" if mode == "two-host" else "velo"

@@ -225,6 +225,7 @@ def run_two_host_fan_out(
     """
     from ray_velo.bench.fanout import hosts_text, reader_hosts
     from ray_velo.testbed import Testbed
+    from ray_velo.testbed.probes import raw_tcp
 
     placed = hosts_text(reader_hosts(k, hosts))
     what = "one weights ref" if weights else "fan-out"
@@ -235,7 +236,26 @@ def run_two_host_fan_out(
         store = max(1 << 30, 4 * size)
         with Testbed(hosts=hosts, link=link, object_store_bytes=store, **security) as testbed:
             rows[link] = _drive(testbed, [size], reps, extra)
+            if weights:
+                nbytes = rows[link]["size_bytes"]
+                rows[link]["raw_one"] = raw_tcp(testbed, nbytes, reps)
+                rows[link]["raw_chain"] = _raw_chain(testbed, nbytes, min(k, hosts - 1), reps)
     return rows
+
+
+def _raw_chain(testbed: Any, nbytes: int, links: int, reps: int) -> float:
+    """Seconds for ``links`` plain TCP streams at once, host a -> b -> c ... (a relay
+    chain's links, nothing else): the slowest stream's median. What this machine's CPUs
+    allow a chain of that many hops, against one stream's time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray_velo.testbed.probes import raw_tcp
+
+    with ThreadPoolExecutor(links) as pool:
+        streams = [
+            pool.submit(raw_tcp, testbed, nbytes, reps, src=i, dst=i + 1) for i in range(links)
+        ]
+        return max(stream.result() for stream in streams)
 
 
 _COLUMNS = (

@@ -198,3 +198,28 @@ def test_transport_without_nixl_is_refused_unless_asked(
     err = capsys.readouterr().err
     assert "nixl-cu13 is not installed" in err and "--without-nixl" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_weights_broadcast_sittings_give_each_transports_k_over_one_and_the_raw_chain() -> None:
+    """``--two-host --transport --fan-out K`` sittings: VELO's one- and K-reader times, NIXL's
+    and Ray's K-reader times, and the ranges of each one's K over one (the raw link's chain
+    beside them), VELO over NIXL and over Ray."""
+    from ray_velo.bench.record import ranges_table
+
+    def weights(velo: float, nixl: float) -> dict[str, object]:
+        row = {"velo": velo, "velo_one": 4.0, "nixl": nixl, "nixl_one": 4.0, "ray": 16.0}
+        row |= {"ray_one": 8.0, "raw_one": 4.0, "raw_chain": 5.0}
+        return make_sitting("weights broadcast", {}, {"state dict to 4 @1gbit": row})
+
+    lines = ranges_table([weights(4.4, 16.0), weights(4.8, 17.6)]).splitlines()
+    assert lines[0].split(" | ")[1:5] == [
+        "VELO x1, ms",
+        "VELO xK, ms",
+        "NIXL xK, ms",
+        "Ray's store xK, ms",
+    ]
+    cells = [cell.strip() for cell in lines[2].split("|")[1:-1]]
+    assert cells[0] == "state dict to 4 @1gbit"
+    assert cells[1:5] == ["4000", "4400-4800", "16000-17600", "16000"]
+    assert cells[5:9] == ["1.10-1.20x", "4.00-4.40x", "2.00x", "1.25x"]
+    assert cells[9:] == ["3.64-3.67x", "3.33-3.64x"]

@@ -61,7 +61,8 @@ def test_the_two_host_table_keeps_host_b_and_tolerates_missing_counts() -> None:
 
 def test_the_weights_table_puts_each_transport_beside_its_one_reader_time() -> None:
     """``--transport --fan-out 4 --hosts 5``: a line per transport with one reader's time,
-    K's and K's over one's; under it, how often host a's link carried VELO's weights."""
+    K's and K's over one's, the raw link's (one stream, a chain of K at once); under it, how
+    often host a's link carried VELO's weights."""
     from ray_velo.bench.broadcast import format_broadcast
 
     rows = {
@@ -72,6 +73,8 @@ def test_the_weights_table_puts_each_transport_beside_its_one_reader_time() -> N
             "size_bytes": 497_759_232,
             "reps": 5,
             "nixl": True,
+            "raw_one": 3.6,
+            "raw_chain": 4.14,
         }
     }
     lines = format_broadcast(rows, k=4, hosts=5).splitlines()
@@ -80,6 +83,7 @@ def test_the_weights_table_puts_each_transport_beside_its_one_reader_time() -> N
     assert lines[3].split() == ["1gbit", "VELO", "4000ms", "4400ms", "1.10x"]
     assert lines[4].split() == ["NIXL", "4250ms", "17000ms", "4.00x"]
     assert lines[5].split() == ["Ray's", "store", "4500ms", "9000ms", "2.00x"]
-    assert "4.0 times, 3.0 of them from another receiver host's copy" in lines[6]
-    assert "(host a's link carried them 1.0 times)" in lines[6]
+    assert lines[6].split()[:5] == ["raw", "link", "3600ms", "4140ms", "1.15x"]
+    assert "4.0 times, 3.0 of them from another receiver host's copy" in lines[7]
+    assert "(host a's link carried them 1.0 times)" in lines[7]
     assert "WARNING" not in "\n".join(lines)
