@@ -9,7 +9,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ray_velo.bench.actors import LATENCY_REPS
@@ -215,38 +215,31 @@ def measure_transport(sizes: list[int], reps: int) -> dict[str, Any]:
 def measure_fan_out_here(size: int, k: int, reps: int) -> dict[str, Any]:
     """``ray-velo bench --two-host --fan-out K [--hosts N]``: one payload from host a to K
     readers spread round-robin over every other host of the testbed (b, c, ...)."""
-    import ray_velo as rv
     from ray_velo.bench.fanout import measure_fan_out
-    from ray_velo.testbed import connect
 
-    info = connect()
-    rv.init()
-    result = measure_fan_out(
-        {info.hosts[0].resource: 1},
-        [{host.resource: 1} for host in info.hosts[1:]],
-        size,
-        k,
-        reps,
-        tick=lambda text: _say(f"  {text}"),
-    )
-    rv.shutdown()
-    return result
+    return _from_host_a(measure_fan_out, size, k, reps)
 
 
 def measure_broadcast_here(k: int, reps: int) -> dict[str, Any]:
     """``ray-velo bench --two-host --transport --fan-out K [--hosts N]``: one RDT weights ref
     from host a to K rollout actors on the other hosts (b, c, ...)."""
-    import ray_velo as rv
     from ray_velo.bench.broadcast import measure_broadcast
+
+    return _from_host_a(measure_broadcast, k, reps)
+
+
+def _from_host_a(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``measure(on_a, on_others, *args, tick=...)`` on this driver's testbed: the resources
+    that place work on host a, then those of every other host (b, c, ...)."""
+    import ray_velo as rv
     from ray_velo.testbed import connect
 
     info = connect()
     rv.init()
-    result = measure_broadcast(
+    result = measure(
         {info.hosts[0].resource: 1},
         [{host.resource: 1} for host in info.hosts[1:]],
-        k,
-        reps,
+        *args,
         tick=lambda text: _say(f"  {text}"),
     )
     rv.shutdown()
