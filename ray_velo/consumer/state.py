@@ -229,7 +229,7 @@ class ConsumerState:
         assert relay.fid is not None and relay.sealed
         relay.failed = True
         relay.readers.clear()
-        del self._lent[relay.fid]
+        self._lent.pop(relay.fid, None)  # gone already when the agent shut down
         self._relay_fids.pop(relay.fid, None)
         if self._relays.get(relay.remote) is relay:
             del self._relays[relay.remote]
