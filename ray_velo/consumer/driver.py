@@ -371,6 +371,10 @@ class _Run:
                     self.handle, self._buffer(), answer.total_len
                 )
             relayed = lent is not None
+            if not relayed:  # an older copy here still has readers: nobody reads this one
+                self.link.send(
+                    "_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id)
+                )
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
         def get_range(
