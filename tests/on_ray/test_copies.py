@@ -219,7 +219,7 @@ def test_one_weights_ref_to_two_nodes_reads_the_first_receivers_copy(
     # node b fills its copy slowly; node c reads it slower still (it lags two pieces behind
     # when node b has all its bytes): node b's receive must wait for it
     ray.get(ensure_agent(b).inject_fault.remote("copy_piece_pause_s", 0.5))
-    ray.get(ensure_agent(c).inject_fault.remote("copy_piece_pause_s", 1.5))
+    ray.get(ensure_agent(c).inject_fault.remote("copy_piece_pause_s", 1.0))
     sources = info(nodes["node_a"])["copy_sources"]
     first = b_actor.load.remote(ref, True)
     wait_for(
