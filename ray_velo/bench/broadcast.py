@@ -62,41 +62,57 @@ def measure_broadcast(
         return trainer, rollouts
 
     trainer, rollouts = group(k)
-    long_lived = {"velo": "torch_velo", "ray": "torch_plain"}
-    seconds: dict[str, list[float]] = {}
-    values: set[int] = set()
-    moved: Counter[str] = Counter()
     tick(f"weights to {k} rollout actors: VELO, Ray's store{', NIXL' if with_nixl else ''}")
+    rounds = _Rounds(on_readers)
     for rep in range(reps + 1):
         keep = rep > 0
-        for column, method in long_lived.items():
+        for column, method in (("velo", "torch_velo"), ("ray", "torch_plain")):
             for name, readers in ((column, rollouts), (f"{column}_one", rollouts[:1])):
-                count = keep and name == "velo"
-                before = agent_counters(on_readers) if count else Counter()
-                took, got = _round(trainer, method, readers)
-                if count:
-                    moved += agent_counters(on_readers) - before
-                if keep:
-                    seconds.setdefault(name, []).append(took)
-                values.update(got)
+                rounds.long_lived(name, trainer, method, readers, keep)
         if with_nixl and keep:
             for name, n in (("nixl", k), ("nixl_one", 1)):
-                took, got = _fresh_nixl_round(group(n))
-                seconds.setdefault(name, []).append(took)
-                values.update(got)
+                rounds.keep(name, *_fresh_nixl_round(group(n)))
         if keep:
-            tick(f"  round {rep}: " + _round_text(seconds))
+            tick(f"  round {rep}: " + _round_text(rounds.seconds))
     for actor in (trainer, *rollouts):
         ray.kill(actor)
     return {
-        "seconds": {name: statistics.median(s) for name, s in seconds.items()},
-        "rounds": seconds,
-        "velo_moved": per_round(Counter(), moved, reps),
-        "consistent": len(values) == 1,
+        "seconds": {name: statistics.median(s) for name, s in rounds.seconds.items()},
+        "rounds": rounds.seconds,
+        "velo_moved": per_round(Counter(), rounds.moved, reps),
+        "consistent": len(rounds.values) == 1,
         "size_bytes": _weights_bytes(),
         "reps": reps,
         "nixl": with_nixl,
     }
+
+
+class _Rounds:
+    """Each column's timed rounds, every value any reader read, and what the reader hosts'
+    agents moved during VELO's K-reader rounds."""
+
+    def __init__(self, on_readers: Sequence[Mapping[str, float]]) -> None:
+        self.on_readers = on_readers
+        self.seconds: dict[str, list[float]] = {}
+        self.values: set[int] = set()
+        self.moved: Counter[str] = Counter()
+
+    def long_lived(
+        self, name: str, trainer: Any, method: str, readers: list[Any], keep: bool
+    ) -> None:
+        """One round through the long-lived actors (timed when ``keep``)."""
+        count = keep and name == "velo"
+        before = agent_counters(self.on_readers) if count else Counter()
+        took, got = _round(trainer, method, readers)
+        if count:
+            self.moved += agent_counters(self.on_readers) - before
+        if keep:
+            self.seconds.setdefault(name, []).append(took)
+        self.values.update(got)
+
+    def keep(self, name: str, took: float, got: list[int]) -> None:
+        self.seconds.setdefault(name, []).append(took)
+        self.values.update(got)
 
 
 def _round(trainer: Any, method: str, readers: list[Any]) -> tuple[float, list[int]]:

@@ -78,6 +78,14 @@ def transport_classes(with_nixl: bool) -> tuple[Any, Any]:
 
         Producer.torch_nixl = torch_nixl  # type: ignore[attr-defined]
 
+    return Producer, _consumer_class()
+
+
+def _consumer_class() -> Any:
+    """The consumer actor class: reads every page of what it is handed."""
+    import numpy as np
+    import torch
+
     class Consumer:
         def ready(self) -> bool:
             return True
@@ -93,7 +101,7 @@ def transport_classes(with_nixl: bool) -> tuple[Any, Any]:
             flat = array.reshape(-1).view(np.uint8)
             return int(flat[::4096].sum()) + int(flat[-1])  # touch every page
 
-    return Producer, Consumer
+    return Consumer
 
 
 def _many_tensors(kind: str) -> Any:

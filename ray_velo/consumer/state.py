@@ -187,8 +187,7 @@ class ConsumerState:
         """Fetch ``fid`` fills a copy of ``remote`` that its owner counts: other nodes may
         read it as it fills, and it stays until the owner says the handle ended. False (not
         relayed, not kept) while an older copy of it still has readers."""
-        old = self._relays.get(remote)
-        if old is not None and (not old.failed or old.readers):
+        if self._relay_busy(remote):
             return False
         self._relays[remote] = Relay(remote, total_len, fid)
         self._relay_fids[fid] = remote
@@ -200,8 +199,7 @@ class ConsumerState:
         may read it as it fills, until :meth:`relay_seal` (then the writer is its process's,
         which may write it: the copy is never kept). None (not relayed) while an older copy
         of it still has readers."""
-        old = self._relays.get(remote)
-        if old is not None and (not old.failed or old.readers):
+        if self._relay_busy(remote):
             return None
         relay = Relay(remote, total_len, next(self._fetch_ids))
         assert relay.fid is not None
@@ -209,6 +207,11 @@ class ConsumerState:
         self._relays[remote] = relay
         self._relay_fids[relay.fid] = remote
         return relay
+
+    def _relay_busy(self, remote: DataHandle) -> bool:
+        """Whether a copy of ``remote`` here still fills or has readers (no second opens)."""
+        old = self._relays.get(remote)
+        return old is not None and (not old.failed or bool(old.readers))
 
     @staticmethod
     def relay_seal(relay: Relay) -> None:
