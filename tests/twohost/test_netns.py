@@ -103,7 +103,9 @@ def test_a_killed_run_leaves_nothing_for_long() -> None:
 # imports what the command needs, then drops to uid/gid 65534 (nobody) and runs it.
 _AS_NOBODY = """
 import sys
-import ray_velo.bench.twohost, ray_velo.cli, ray_velo.errors, ray_velo.testbed
+# what the command imports lazily, imported while this process can still read the checkout
+import ray_velo.bench.command, ray_velo.bench.record, ray_velo.bench.twohost
+import ray_velo.cli, ray_velo.errors, ray_velo.testbed
 import os
 os.setgid(65534)
 os.setuid(65534)
