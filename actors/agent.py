@@ -19,6 +19,7 @@ from ray_velo import metrics
 from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
 from ray_velo.config import VeloConfig
+from ray_velo.consumer.fetch import Mode
 from ray_velo.consumer.links import Blocking, inline
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
@@ -296,11 +297,19 @@ class RendezvousAgent:
         return "ucx: " + (", ".join(used) if used else "no endpoint yet")
 
     def fetch_into_writer(
-        self, handle: DataHandle, timeout_s: float | None, pid: int, bound: str, nbytes: int
+        self,
+        handle: DataHandle,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        nbytes: int,
+        mode: Mode = "detach",
     ) -> tuple[Reservation, LocalLease]:
         """:meth:`fetch_into_writer_async` from synchronous code."""
         return asyncio.run(
-            self.fetch_into_writer_async(handle, timeout_s, pid, bound, nbytes, inline, inline)
+            self.fetch_into_writer_async(
+                handle, timeout_s, pid, bound, nbytes, inline, inline, mode
+            )
         )
 
     async def fetch_into_writer_async(
@@ -312,17 +321,19 @@ class RendezvousAgent:
         nbytes: int,
         blocking: Blocking,
         quick: Blocking,
+        mode: Mode = "detach",
     ) -> tuple[Reservation, LocalLease]:
         """A PinnedWriter of ``nbytes`` for ``pid`` (``stage_reserve``) with ``handle``'s bytes
-        fetched into it (``fetch_remote``, mode ``detach``): one socket call where a tensor
-        transport's receive made two. A failed fetch gives the reservation back; the caller
-        owns it (and aborts it as any PinnedWriter's) once this returns. ``quick`` runs the
-        reservation's steps (on the actor: on its loop unless one may block)."""
+        fetched into it (``fetch_remote``, mode ``detach``, or ``claim`` for a decorated
+        callee's resolution): one socket call where a tensor transport's receive made two.
+        A failed fetch gives the reservation back; the caller owns it (and aborts it as any
+        PinnedWriter's) once this returns. ``quick`` runs the reservation's steps (on the
+        actor: on its loop unless one may block)."""
         reservation = await quick(self.producers.reserve, nbytes, True, pid)
         assert reservation is not None  # a reservation that may map is never declined
         try:
             lease = await self.consumer.fetch_async(
-                handle, "detach", timeout_s, pid, bound, blocking, reservation.reservation_id
+                handle, mode, timeout_s, pid, bound, blocking, reservation.reservation_id
             )
         except BaseException:
             await quick(

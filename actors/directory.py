@@ -206,11 +206,17 @@ class _RendezvousActor:
         )
 
     async def fetch_into_writer(
-        self, handle: Any, timeout_s: float | None, pid: int, bound: str, nbytes: int
+        self,
+        handle: Any,
+        timeout_s: float | None,
+        pid: int,
+        bound: str,
+        nbytes: int,
+        mode: Mode = "detach",
     ) -> Any:
         """A PinnedWriter with the bytes fetched into it (``fetch_into_writer_async``)."""
         return await self.agent.fetch_into_writer_async(
-            handle, timeout_s, pid, bound, nbytes, self.blocking, self.quick
+            handle, timeout_s, pid, bound, nbytes, self.blocking, self.quick, mode
         )
 
     async def shutdown(self, timeout_s: float | None = None) -> dict[str, int]:

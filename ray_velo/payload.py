@@ -22,6 +22,7 @@ __all__ = [
     "fetch_device",
     "from_bytes_view",
     "host_tensor",
+    "is_torch",
     "payload_nbytes",
     "to_fetch_device",
 ]
@@ -30,6 +31,12 @@ __all__ = [
 def _torch() -> Any:
     # torch is optional: only look at it if the caller already imported it.
     return sys.modules.get("torch")
+
+
+def is_torch(obj: Any) -> bool:
+    """Whether ``obj`` is a torch tensor (False where torch was never imported)."""
+    torch = _torch()
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def dtype_to_wire(dtype: np.dtype[Any]) -> str:

@@ -590,17 +590,25 @@ def _lease_once(
 
 
 def fetch_into_writer(
-    handle: DataHandle, nbytes: int, timeout: float | None
+    handle: DataHandle, nbytes: int, timeout: float | None, mode: str = "detach"
 ) -> tuple[Session, Reservation]:
     """A reservation of ``nbytes`` of this node's registered pool (a PinnedWriter's) holding
     ``handle``'s bytes, fetched from its owner on another node: :func:`reserve` and
-    :func:`lease` (``detach``) in one call to the agent."""
+    :func:`lease` (``mode``: ``detach``, or ``claim`` ended by :func:`claim_end`) in one
+    call to the agent."""
 
     def attempt() -> tuple[Session, Reservation]:
         session = current()
         bound, which, wait_s = _fetch_wait(timeout, session.config)
         reservation, _ = session.call(
-            "fetch_into_writer", handle, bound, os.getpid(), which, nbytes, timeout_s=wait_s
+            "fetch_into_writer",
+            handle,
+            bound,
+            os.getpid(),
+            which,
+            nbytes,
+            mode,
+            timeout_s=wait_s,
         )
         return session, reservation
 

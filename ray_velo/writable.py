@@ -156,10 +156,13 @@ def alloc_pinned_writer(nbytes: int) -> PinnedWriter:
     return PinnedWriter(state, reservation)
 
 
-def fetched_pinned_writer(handle: DataHandle, nbytes: int, timeout: float | None) -> PinnedWriter:
+def fetched_pinned_writer(
+    handle: DataHandle, nbytes: int, timeout: float | None, mode: str = "detach"
+) -> PinnedWriter:
     """A PinnedWriter of ``nbytes`` holding ``handle``'s bytes, from an owner on another
-    node: the reservation and the GET into it in one call to this node's agent."""
-    return PinnedWriter(*session.fetch_into_writer(handle, nbytes, timeout))
+    node: the reservation and the GET into it in one call to this node's agent (``mode``
+    as :func:`~ray_velo.session.fetch_into_writer`'s)."""
+    return PinnedWriter(*session.fetch_into_writer(handle, nbytes, timeout, mode))
 
 
 class SendBuffer:

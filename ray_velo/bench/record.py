@@ -221,11 +221,13 @@ _TABLES: dict[str, tuple[_Columns, _Speeds]] = {
             ("Ray's store, ms", "torch_plain"),
             ("NIXL, ms", "torch_nixl"),
             ("VELO, ms", "torch_velo"),
+            ("`@rv.transfer`, ms", "torch_decorated"),
         ),
         (
             ("VELO / NIXL", "torch_nixl", "torch_velo", "x"),
             ("VELO / Ray", "torch_plain", "torch_velo", "x"),
             ("VELO / raw link", "raw_tcp", "torch_velo", ""),
+            ("`@rv.transfer` / Ray", "torch_plain", "torch_decorated", "x"),
         ),
     ),
     "weights broadcast": (
@@ -285,12 +287,20 @@ def ranges_table(sittings: Sequence[Mapping[str, Any]]) -> str:
     if not shapes:
         raise SittingError("the sittings share no shape")
     labels = [label for label, _ in columns] + [label for label, *_ in speeds]
-    lines = ["| shape | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    table = []
     for shape in shapes:
         rows = [x["shapes"][shape] for x in sittings]
         cells = [_span([r[c] * 1e3 for r in rows if r.get(c)], ".0f") for _, c in columns]
         for _, slow, fast, unit in speeds:
             ratios = [r[slow] / r[fast] for r in rows if r.get(slow) and r.get(fast)]
             cells.append(_span(ratios, ".2f") + unit if ratios else "-")
-        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+        table.append((shape, cells))
+    # a column no sitting measured (an older bench's) is left out, not shown empty
+    shown = [i for i in range(len(labels)) if any(cells[i] != "-" for _, cells in table)]
+    lines = [
+        "| shape | " + " | ".join(labels[i] for i in shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    for shape, cells in table:
+        lines.append(f"| {shape} | " + " | ".join(cells[i] for i in shown) + " |")
     return "\n".join(lines)

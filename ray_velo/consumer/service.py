@@ -89,14 +89,14 @@ class ConsumerService:
         ``mode``: ``release`` (consume one reference), ``claim`` (a transparent resolution:
         claim one, consumed or given back with :meth:`claim_end`), ``detach`` (the handle
         stays usable) or ``hold`` (the get family: the owner's lease stays the caller's).
-        ``writer_rid`` (with ``hold``, or ``detach`` to end the owner's lease at once): a
-        PinnedWriter's reservation that the GET (or the chunks) land in directly; no local
-        slot is made.
+        ``writer_rid`` (with ``hold``, ``detach`` to end the owner's lease at once, or
+        ``claim``): a PinnedWriter's reservation that the GET (or the chunks) land in
+        directly; no local slot is made.
         """
         if mode not in _MODES:
             raise ValueError(f"unknown fetch mode {mode!r}")
-        if writer_rid and mode not in ("hold", "detach"):
-            raise ValueError("a PinnedWriter destination needs mode 'hold' or 'detach'")
+        if writer_rid and mode == "release":
+            raise ValueError("a PinnedWriter destination needs mode 'hold', 'detach' or 'claim'")
         with self._inflight_cond:
             self.core.check_open()
             self._inflight += 1

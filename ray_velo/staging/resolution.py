@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import ray
@@ -13,10 +13,13 @@ import ray
 from ray_velo import session
 from ray_velo.errors import HandleNotFound, HandleReleased
 from ray_velo.local.records import LocalLease
-from ray_velo.payload import as_bytes_view, from_bytes_view, payload_nbytes
+from ray_velo.payload import as_bytes_view, from_bytes_view, is_torch, payload_nbytes
 from ray_velo.protocol import DataHandle
 from ray_velo.staging.tree import PackedPart, StagedValue, TransferOptions, visit, walk
 from ray_velo.store import RELEASED_BY_CONSUMERS
+from ray_velo.writable import fetched_pinned_writer
+
+_T = TypeVar("_T")
 
 __all__ = ["Resolution", "discard_tree", "resolve", "resolve_stream", "stage_tree"]
 
@@ -45,7 +48,9 @@ def stage_tree(value: Any, options: TransferOptions, budget_s: float | None) -> 
         return value
     staged: dict[int, StagedValue] = {}
     try:
-        if len(chosen) == 1:
+        # a tensor goes packed even alone: its receiver fetches the slot into memory of its
+        # own that the tensors view (writable, no copy); a slot of its own would be copied out
+        if len(chosen) == 1 and not is_torch(next(iter(chosen.values()))):
             staged = _stage_one(chosen, options, budget_s)
         else:
             staged = _stage_packed(chosen, options, budget_s)
@@ -114,20 +119,38 @@ class Resolution:
         self.claimed: list[DataHandle] = []
         #: the packed slots read so far, by handle: one lease serves all their parts
         self._packs: dict[DataHandle, Any] = {}
+        #: the packed slots of this tree fetched into a PinnedWriter, and their sizes
+        self._into_writer: dict[DataHandle, int] = {}
 
     def one(self, staged: StagedValue) -> Any:
         if staged.part is None:
-            return session.read(self._lease(staged))
+            return session.read(self._acquired(staged, self._lease))
         slot = self._packs.get(staged.handle)
         if slot is None:
-            slot = self._packs[staged.handle] = session.read(self._lease(staged))
+            slot = self._packs[staged.handle] = self._slot(staged)
         header, start = staged.part.header, staged.part.offset
-        data = slot[start : start + staged.nbytes].data
-        return from_bytes_view(header, data, copy=header.kind == "torch")
+        # a tensor over a writer's memory is the callee's own; over a shared slot, a copy
+        return from_bytes_view(header, slot[start : start + staged.nbytes].data)
+
+    def _slot(self, staged: StagedValue) -> Any:
+        """A packed slot's bytes: in a PinnedWriter of this process where it holds a tensor
+        and comes from another node (the GET lands there: no copy, and its tensors are
+        writable), else leased in place."""
+        nbytes = self._into_writer.get(staged.handle)
+        if nbytes is None:
+            return session.read(self._acquired(staged, self._lease))
+        writer = self._acquired(
+            staged, lambda s: fetched_pinned_writer(s.handle, nbytes, s.budget_s, self.mode)
+        )
+        return writer.array  # its memory stays while a view of it does
 
     def _lease(self, staged: StagedValue) -> LocalLease:
+        return session.lease(staged.handle, self.mode, staged.budget_s)
+
+    def _acquired(self, staged: StagedValue, acquire: Callable[[StagedValue], _T]) -> _T:
+        """``acquire(staged)``, its errors in the decorator's terms, its claim noted."""
         try:
-            local = session.lease(staged.handle, self.mode, staged.budget_s)
+            got = acquire(staged)
         except HandleReleased as exc:
             raise _released(staged) from exc
         except HandleNotFound as exc:
@@ -136,16 +159,39 @@ class Resolution:
             raise
         if self.mode == "claim":
             self.claimed.append(staged.handle)
-        return local
+        return got
 
     def tree(self, value: Any) -> Any:
         """``value`` with every StagedValue resolved."""
+        self._into_writer = self._writer_slots(value)
         try:
             return walk(
                 value, lambda item: self.one(item) if isinstance(item, StagedValue) else item
             )
         finally:
             self._packs.clear()  # the values keep what they view; the lease ends with them
+
+    def _writer_slots(self, value: Any) -> dict[DataHandle, int]:
+        """The packed slots of ``value`` a claim fetches into a PinnedWriter (from another
+        node, holding a tensor), each with its size: where its last part ends."""
+        if self.mode != "claim":
+            return {}
+        here = session.current().worker_id
+        ends: dict[DataHandle, int] = {}
+        tensors: set[DataHandle] = set()
+
+        def leaf(item: Any) -> None:
+            if not isinstance(item, StagedValue) or item.part is None:
+                return
+            if item.handle.worker_id == here:
+                return
+            end = item.part.offset + item.nbytes
+            ends[item.handle] = max(ends.get(item.handle, 0), end)
+            if item.part.header.kind == "torch":
+                tensors.add(item.handle)
+
+        visit(value, leaf)
+        return {handle: end for handle, end in ends.items() if handle in tensors and end}
 
     def end(self, consume: bool) -> None:
         """The body is done: consume every claim, or give them back (a retry will claim

@@ -364,3 +364,90 @@ def test_a_stream_closed_at_its_yield_releases_the_item_it_handed_out(velo: None
     finished = list(body())
     assert [rv.metadata(item.handle).refcount for item in finished] == [1, 1, 1]
     discard_tree(finished)
+
+
+@rv.transfer(consumers=2)
+@ray.remote(**ON_A)
+def weights(nbytes: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "w": torch.arange(nbytes // 4, dtype=torch.float32),
+        "b": torch.full((nbytes // 8,), 2.0),
+        "tiny": torch.ones(4),  # below the threshold: inside the Ray call
+    }
+
+
+@rv.transfer
+@ray.remote(**ON_B)
+def train_step(state: dict[str, Any]) -> dict[str, Any]:
+    sums = {name: float(t.double().sum()) for name, t in state.items()}
+    w, b = state["w"], state["b"]
+    # the staged tensors view one block (the slot fetched into this worker's memory), in
+    # the order packed; a copy each would be separate allocations
+    gap = b.data_ptr() - w.data_ptr()
+    for tensor in state.values():
+        tensor.zero_()  # in place: the callee's own tensors
+    return {"sums": sums, "gap": gap, "zeroed": all(not t.any() for t in state.values())}
+
+
+def test_tensors_reach_a_callee_on_another_node_as_its_own(velo: None) -> None:
+    """A dict of tensors returned by a decorated task on node a to two decorated callees on
+    node b in turn (consumers=2): each gets the producer's values in tensors of its own
+    (the slot lands in its memory: one block, written in place without touching the other
+    callee's or the producer's bytes), and once both are done neither node keeps
+    anything."""
+    import torch
+
+    nbytes = 4 * MiB
+    warm_on_node_a(nbytes + nbytes // 2 + 64)
+    before_a = agent_info("node_a")["live_slots"]
+    expected = {
+        "w": float(torch.arange(nbytes // 4, dtype=torch.float32).double().sum()),
+        "b": 2.0 * (nbytes // 8),
+        "tiny": 4.0,
+    }
+    ref = weights.remote(nbytes)
+    first = ray.get(train_step.remote(ref))
+    second = ray.get(train_step.remote(ref))
+    for seen in (first, second):
+        assert seen["sums"] == expected, "a callee saw another's writes or wrong bytes"
+        assert seen["zeroed"]
+        assert seen["gap"] == nbytes, "the tensors were not views of the fetched slot"
+    del ref
+    wait_for(
+        "both nodes back to what they held",
+        lambda: agent_info("node_a")["live_slots"] == before_a and used_bytes("node_b") == 0,
+    )
+
+
+@rv.transfer
+@ray.remote(**ON_A)
+def one_tensor(nbytes: int, value: float) -> Any:
+    import torch
+
+    return torch.full((nbytes // 4,), value)
+
+
+@rv.transfer
+@ray.remote(**ON_B)
+def add_in_place(tensor: Any, value: float) -> float:
+    tensor += value
+    return float(tensor.double().sum())
+
+
+def test_one_tensor_is_the_callee_s_to_write(velo: None) -> None:
+    """A single tensor through the decorator across nodes: the callee writes it in place
+    (no read-only warning, no shared bytes), and nothing stays staged."""
+    import warnings
+
+    nbytes = 2 * MiB
+    warm_on_node_a(nbytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ray.get(add_in_place.remote(one_tensor.remote(nbytes, 1.5), 1.0))
+    assert got == 2.5 * (nbytes // 4)
+    wait_for(
+        "nothing staged on node a, nothing held on node b",
+        lambda: not agent_info("node_a")["live_slots"] and used_bytes("node_b") == 0,
+    )
