@@ -13,9 +13,10 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ray_velo import metrics
+from ray_velo.actors.faults import FaultPlan, FaultyRdma, SlowPulls, fault_injection_off
 from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
 from ray_velo.config import VeloConfig
@@ -160,10 +161,13 @@ class RendezvousAgent:
         timer: bool = True,
         jobs: JobTable | None = None,
         wire_auth: WireAuth | None = None,
+        faults: FaultPlan | None = None,
     ) -> None:
         """An agent for ``node_id``. ``jobs``: Ray's job table, for staged data to follow
         its job (None: no handle ends with its job). ``wire_auth``: credentials for other
-        agents' TCP wire (None: Ray calls only). The other keyword arguments are for
+        agents' TCP wire (None: Ray calls only). ``faults``: the plan of a fault test's
+        agent, whose wrappers go around its RDMA backend and owner handlers now (None:
+        none, and :meth:`inject_fault` is refused). The other keyword arguments are for
         ``ray_velo.testing``: an RDMA backend in place of UCX (None: none), a peer directory,
         a clock, and no timer thread (the test calls :meth:`tick`)."""
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
@@ -174,6 +178,8 @@ class RendezvousAgent:
             rdma, self.rdma_unavailable = _start_rdma(config)
             if rdma is not None and rdma_enabled:
                 _warn_cleartext_payloads(config)
+        if faults is not None and rdma is not None:
+            rdma = FaultyRdma(rdma, faults)
         registrar = None if rdma is None else rdma.registrar
         memory = NodeMemory(config, worker_id, registrar, agent_metrics)
         core = AgentCore(
@@ -182,14 +188,17 @@ class RendezvousAgent:
         )  # fmt: skip
         self.core = core
         self.config, self.node_id, self.worker_id = config, node_id, worker_id
-        self.owner = OwnerService(core)
+        owner = OwnerService(core)
+        self._faults = faults
+        # the owner's handlers as the actor serves them (a fault test's agent: wrapped)
+        self.owner = owner if faults is None else cast(OwnerService, SlowPulls(owner, faults))
         self.producers = ProducerService(core)
         self.readers = ReaderService(core)
         self.regions = RegionService(core)
         self.peers = PeerDirectory(
             rdma, _find_agent, _node_of_worker, node_id, _wire_address, wire_auth
         )
-        self.consumer = ConsumerService(core, peers or self.peers, self.owner)
+        self.consumer = ConsumerService(core, peers or self.peers, owner)
         if peers is None:
             core.tell_copy_ends = self.peers.tell_copy_ends
         self.jobs = None if jobs is None else JobWatch(jobs)
@@ -351,11 +360,16 @@ class RendezvousAgent:
         return self.worker_id
 
     def inject_fault(self, name: str, value: float) -> None:
-        """For the fault tests: arm fault ``name`` (:mod:`ray_velo.testing.faults`, which
-        wraps the part it concerns; nothing of it runs in an agent never told to)."""
-        from ray_velo.testing.faults import inject
+        """For the fault tests: arm fault ``name`` (:mod:`ray_velo.actors.faults`; 0 disarms
+        it) in an agent built with faults.
 
-        inject(self, name, value)
+        Raises:
+            ConfigError: this agent was built without faults (every production agent).
+            ValueError: an unknown fault, or an RDMA fault on an agent without RDMA.
+        """
+        if self._faults is None:
+            raise fault_injection_off()
+        self._faults.arm(name, value, with_rdma=self.core.rdma is not None)
 
     # --- entry points --------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_velo import _ray, nonblocking
 from ray_velo.actors.agent import RendezvousAgent
+from ray_velo.actors.faults import FaultPlan
 from ray_velo.actors.jobs import RayJobTable
 from ray_velo.config import VeloConfig
 from ray_velo.consumer.fetch import Mode
@@ -82,7 +83,10 @@ class _RendezvousActor:
         # The blocking calls run on our own threads, never on the event loop.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self._wire_auth = _load_wire_auth(self._wire_refused)
-        self.agent = RendezvousAgent(config, node_id, jobs=RayJobTable(), wire_auth=self._wire_auth)
+        self.agent = RendezvousAgent(
+            config, node_id, jobs=RayJobTable(), wire_auth=self._wire_auth,
+            faults=FaultPlan() if config.fault_injection else None,
+        )  # fmt: skip
         self.worker_id = self.agent.worker_id
         self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
         self._threads_closed = False

@@ -78,8 +78,8 @@ class RdmaBackend(Protocol):
 
 
 if TYPE_CHECKING:  # mypy holds every implementation to the protocol
+    from ray_velo.actors.faults import FaultyRdma
     from ray_velo.testing.fakes import FakeRdma
-    from ray_velo.testing.faults import FaultyRdma
     from ray_velo.ucx.backend import UcxRdmaBackend
 
     def _implementations(

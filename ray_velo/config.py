@@ -278,6 +278,10 @@ class VeloConfig:
         rdma: the RDMA path's configuration.
         plain_arena_bytes: size of each unregistered ("plain memory") arena.
         sweep_interval: period of the TTL / chunked-lease sweep while deadlines exist (s).
+        fault_injection: for ray_velo's own fault tests only: agents are built with their
+            RDMA backend and chunk answers wrapped in faults their ``inject_fault`` entry
+            arms (docs/architecture.md §12). Off (the default), no fault code runs in an
+            agent and ``inject_fault`` is refused.
     """
 
     threshold_bytes: int = DEFAULT_THRESHOLD
@@ -289,6 +293,7 @@ class VeloConfig:
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
     plain_arena_bytes: int = 64 * MiB
     sweep_interval: float = 0.1
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         for name in ("threshold_bytes", "chunk_size", "pulls_in_flight", "plain_arena_bytes"):

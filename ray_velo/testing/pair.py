@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ray_velo.actors.agent import RendezvousAgent
+from ray_velo.actors.faults import FaultPlan
 from ray_velo.config import (
     RdmaConfig,
     RdmaPoolConfig,
@@ -171,13 +172,13 @@ class AgentPair:
         self.jobs = FakeJobs()
         self.owner = RendezvousAgent(
             self.config, "node-a", rdma=self.owner_rdma, clock=self.clock, timer=False,
-            jobs=self.jobs,
+            jobs=self.jobs, faults=FaultPlan(),
         )  # fmt: skip
         self.link = InProcessLink(self.owner)
         self.peers = InProcessPeers(self.consumer_rdma, self.link)
         self.consumer = RendezvousAgent(
             self.consumer_config, "node-b", rdma=self.consumer_rdma, peers=self.peers, clock=self.clock,
-            timer=False, jobs=self.jobs,
+            timer=False, jobs=self.jobs, faults=FaultPlan(),
         )  # fmt: skip
         self.owner.core.tell_copy_ends = self._tell_copy_ends
         if registered and self.consumer_rdma is not None and self.owner_rdma is not None:

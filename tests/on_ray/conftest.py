@@ -31,6 +31,7 @@ from ray_velo.config import (  # noqa: E402
 #: Small chunks so tests exercise many chunks without moving much data.
 TEST_CHUNK = 1 * MiB
 TEST_CONFIG = VeloConfig(
+    fault_injection=True,  # the fault tests arm faults in these agents
     chunk_size=TEST_CHUNK,
     pulls_in_flight=4,
     staged_payload_max=96 * MiB,

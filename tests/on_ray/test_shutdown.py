@@ -85,9 +85,11 @@ def test_a_pull_and_a_get_admitted_before_shutdown_finish_with_their_bytes(
     fresh_agents: None,
 ) -> None:
     restart_both(shutdown_timeout=30.0)
-    ray.get(agent_of("node_a").inject_fault.remote("slow_pulls_s", 0.05))
+    # slow enough that both transfers are in flight at once even when the second task's
+    # worker starts seconds after the first (40 chunks, 4 at a time: 2.5 s)
+    ray.get(agent_of("node_a").inject_fault.remote("slow_pulls_s", 0.25))
     # the consumer holds its RDMA lease this long before its GET: the GET is in flight
-    ray.get(agent_of("node_b").inject_fault.remote("stall_before_get_s", 2.0))
+    ray.get(agent_of("node_b").inject_fault.remote("stall_before_get_s", 4.0))
     plain = np.random.default_rng(1).integers(0, 255, 40 * MiB, dtype=np.uint8)
     pinned = np.random.default_rng(2).integers(0, 255, 8 * MiB, dtype=np.uint8)
     chunked_ref = fetch_crc_on_b.remote(rv.register_data(plain), 120.0)  # plain: chunked

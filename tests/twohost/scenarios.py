@@ -37,7 +37,7 @@ from ray_velo.protocol.handshake import ACCEPTED_BYTES, CHALLENGE_BYTES, ClientH
 from ray_velo.testbed import TestbedInfo, connect
 
 RESULT_PREFIX = "RESULT "
-CONFIG = VeloConfig(staged_payload_max=512 * MiB)
+CONFIG = VeloConfig(staged_payload_max=512 * MiB, fault_injection=True)
 KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
 
 

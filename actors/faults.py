@@ -1,25 +1,25 @@
-"""Faults for the fault tests, wrapped around an agent's real parts (its RDMA backend, its
-handlers), never inside them; armed on a live agent by its ``inject_fault`` entry point."""
+"""Faults for ray_velo's fault tests, wrapped around an agent's real parts (its RDMA backend,
+its handlers) when the agent is built, never inside them, and only in an agent built with a
+:class:`FaultPlan` (``VeloConfig(fault_injection=True)``, or ``ray_velo.testing``'s
+``AgentPair``); its ``inject_fault`` entry arms them (docs/architecture.md §12)."""
 
 from __future__ import annotations
 
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
-from ray_velo.errors import UcxError
+from ray_velo.errors import ConfigError, UcxError
 from ray_velo.memory.pool import Registrar, Registration
 from ray_velo.protocol.descriptor import RdmaDescriptor
 
 if TYPE_CHECKING:
-    from ray_velo.actors.agent import RendezvousAgent
     from ray_velo.backend import RdmaBackend
     from ray_velo.owner.service import OwnerService
 
-__all__ = ["FAULTS", "FaultPlan", "FaultyRdma", "SlowPulls", "inject"]
+__all__ = ["FAULTS", "FaultPlan", "FaultyRdma", "SlowPulls", "fault_injection_off"]
 
-#: Every fault :func:`inject` knows (docs/architecture.md §12 says what each does).
+#: Every fault a plan knows (docs/architecture.md §12 says what each does).
 FAULTS = (
     "corrupt_descriptors",
     "stall_before_get_s",
@@ -27,16 +27,38 @@ FAULTS = (
     "copy_piece_pause_s",
     "slow_pulls_s",
 )
+#: The faults that act on the RDMA backend (the others on the owner's handlers).
+RDMA_FAULTS = frozenset(FAULTS) - {"slow_pulls_s"}
+
+
+def fault_injection_off() -> ConfigError:
+    """What ``inject_fault`` raises in an agent built without faults (every production one)."""
+    return ConfigError(
+        field="fault_injection",
+        value=False,
+        rule="this agent was built without faults: they are for ray_velo's own fault tests "
+        "(VeloConfig(fault_injection=True) before the agents start, or ray_velo.testing)",
+    )
 
 
 class FaultPlan:
-    """The armed faults of one agent: counts (``take``) and durations (``seconds``)."""
+    """The armed faults of one agent: counts (``take``) and durations (``seconds``); none
+    armed, the wrappers pass everything through."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, float] = {}
 
-    def arm(self, name: str, value: float) -> None:
+    def arm(self, name: str, value: float, *, with_rdma: bool) -> None:
+        """Arm fault ``name`` (a count or seconds; 0 disarms it).
+
+        Raises:
+            ValueError: an unknown fault, or an RDMA fault on an agent without RDMA.
+        """
+        if name not in FAULTS:
+            raise ValueError(f"unknown fault {name!r} (known: {', '.join(FAULTS)})")
+        if name in RDMA_FAULTS and not with_rdma:
+            raise ValueError(f"fault {name!r} needs an agent with RDMA")
         with self._lock:
             self._values[name] = value
 
@@ -52,8 +74,6 @@ class FaultPlan:
     def seconds(self, name: str) -> float:
         with self._lock:
             return self._values.get(name, 0.0)
-
-
 class FaultyRdma:
     """An :class:`~ray_velo.backend.RdmaBackend` that passes every call to ``inner`` but
     where the plan says otherwise (docs/architecture.md §12)."""
@@ -147,28 +167,3 @@ class SlowPulls:
         return getattr(self.inner, name)
 
 
-#: Each agent's armed faults (an agent that never had one has none).
-_PLANS: weakref.WeakKeyDictionary[RendezvousAgent, FaultPlan] = weakref.WeakKeyDictionary()
-
-
-def inject(agent: RendezvousAgent, name: str, value: float) -> None:
-    """Arm fault ``name`` on ``agent`` (a count or seconds; 0 disarms it), wrapping the part
-    it concerns the first time.
-
-    Raises:
-        ValueError: an unknown fault, or an RDMA fault on an agent without RDMA.
-    """
-    if name not in FAULTS:
-        raise ValueError(f"unknown fault {name!r} (known: {', '.join(FAULTS)})")
-    plan = _PLANS.setdefault(agent, FaultPlan())
-    plan.arm(name, value)
-    if name == "slow_pulls_s":
-        if not isinstance(agent.owner, SlowPulls):
-            agent.owner = SlowPulls(agent.owner, plan)  # type: ignore[assignment]
-        return
-    core = agent.core
-    with core.lock:
-        if core.rdma is None:
-            raise ValueError(f"fault {name!r} needs an agent with RDMA")
-        if not isinstance(core.rdma, FaultyRdma):
-            core.rdma = FaultyRdma(core.rdma, plan)
