@@ -153,7 +153,7 @@ class AgentCore:
             return
 
         def written() -> bool:
-            return self.state.written_through(handle.slot_id, upto)
+            return self.state.writes.through(handle.slot_id, upto)
 
         with self.lock:
             if written():

@@ -250,11 +250,13 @@ class SlotStore:
         slot_id: int | None = None,
         job: str = "",
         detached: bool = False,
+        windowable: bool = False,
     ) -> DataHandle:
         """Add a slot; it starts with ``refcount`` references. ``ttl`` in seconds.
 
         ``slot_id`` is one from :meth:`reserve_slot_id`; by default a fresh one. ``job``: the
         Ray job that staged it (its handle ends with that job unless ``detached``).
+        ``windowable``: see :attr:`Slot.windowable`.
         """
         if total_len < 0:
             raise ValueError(f"total_len must be >= 0, got {total_len}")
@@ -277,6 +279,7 @@ class SlotStore:
             given=refcount,
             job=job,
             detached=detached,
+            windowable=windowable,
         )
         self._slots[slot.slot_id] = slot
         self._live_handles += 1

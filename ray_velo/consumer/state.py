@@ -118,7 +118,7 @@ class ConsumerState:
             relay = self._relays[remote]
             relay.fid, relay.slot_id, relay.landed = None, slot.slot_id, total_len
             for _ in relay.readers:
-                self.owner.begin_read(slot.slot_id)
+                self.owner.reads.begin(slot.slot_id)
         if copy_of is not None:
             # A copy that two fetches made at once: the newest serves later fetches; every
             # copy still ends with its own last reader.
@@ -272,7 +272,7 @@ class ConsumerState:
         lease_id = next(self._relay_leases)
         relay.readers[lease_id] = now + timeout
         if relay.slot_id is not None:
-            self.owner.begin_read(relay.slot_id)
+            self.owner.reads.begin(relay.slot_id)
         return lease_id, relay
 
     def relay_renew(self, remote: DataHandle, lease_id: int, now: float, timeout: float) -> Relay:

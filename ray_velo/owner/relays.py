@@ -47,6 +47,18 @@ class CopySources:
     def __init__(self) -> None:
         self._by_slot: dict[int, dict[tuple[str, int], Source]] = {}
 
+    def grant(
+        self, slot_id: int, node: str, worker: int, *, pick: bool, announce: bool
+    ) -> Source | None:
+        """Consumer agent ``worker`` on ``node`` is granted a GET of ``slot_id``: with
+        ``pick``, the copy it should read from first (a large payload), if there is one; with
+        ``announce``, its own copy counts from now (announced before its GET, so the next
+        consumer may read it as it fills)."""
+        source = self.pick(slot_id, node) if pick else None
+        if announce:
+            self.announce(slot_id, node, worker)
+        return source
+
     def announce(self, slot_id: int, node: str, worker: int) -> None:
         """The agent ``worker`` on ``node`` will fill (or holds) a copy of slot ``slot_id``:
         recorded when the owner grants it the GET, so a consumer that arrives a moment later

@@ -185,7 +185,7 @@ class OwnerService:
         if windows is not None:
             self.windowed_leases += 1
             window_bytes = windows.window_bytes
-        elif self.core.state.being_written(slot.slot_id):
+        elif self.core.state.writes.active(slot.slot_id):
             # with the descriptor: the consumer asks how far the bytes are written
             window_bytes = written_window_bytes(slot.total_len)
         unclaimed = _unclaimed(request, slot)
@@ -196,7 +196,7 @@ class OwnerService:
             # consumer's copy goes with its reader, and nobody need hear of it).
             announce = unclaimed != 0
             pick = slot.total_len >= RELAY_MIN_BYTES
-            relay = self.core.state.copy_source(
+            relay = self.core.state.sources.grant(
                 slot.slot_id, *consumer, pick=pick, announce=announce
             )
         return encode(
@@ -312,7 +312,7 @@ class OwnerService:
     def copy_gone(self, notice: CopyNotice) -> None:
         """``_rv_copy`` about one of our handles: that node's copy of it is no more."""
         with self.core.lock:
-            self.core.state.copy_gone(notice.handle.slot_id, notice.node, notice.worker)
+            self.core.state.sources.gone(notice.handle.slot_id, notice.node, notice.worker)
 
     def _rv_lease_renew(self, data: bytes) -> None:
         request = decode(LeaseRenewRequest, data)
@@ -368,7 +368,7 @@ class OwnerService:
         core, start = self.core, request.index * size
         core.wait_written(request.handle, min(slot.total_len, start + size), WRITTEN_WAIT_S)
         with core.lock:
-            upto = core.state.written_upto(slot.slot_id, slot.total_len)
+            upto = core.state.writes.upto(slot.slot_id, slot.total_len)
         descriptor = self._descriptor(slot, start, upto - start)
         if not descriptor:
             raise ProtocolError(f"lease {request.lease_id} of {request.handle} has no windows")

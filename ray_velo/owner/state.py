@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import heapq
 import secrets
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, TypeGuard
 
 from ray_velo.errors import HandleNotFound, ProtocolError
 from ray_velo.owner.ledger import Buffer, BufferLedger, Effects, Holdings
-from ray_velo.owner.relays import CopySources, Source
+from ray_velo.owner.progress import ReadGate, StreamedWrites
+from ray_velo.owner.relays import CopySources
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import ID_KEY_BYTES
 from ray_velo.protocol.messages import TypeHeader
@@ -41,8 +41,6 @@ __all__ = [
 PULL_GRACE_S = 1.0
 PRODUCER_DIED = "the process that staged it died"
 PRODUCER_FAILED = "the process that staged it failed to write its bytes"
-#: How many slots whose producer stopped writing early are remembered as such.
-TORN_REMEMBERED = 1024
 #: The ledger's holder kinds this state keeps (the quarantine is the ledger's own).
 HOLDS = ("slot", "parked", "grace", "demoted")
 
@@ -131,22 +129,18 @@ class OwnerState:
         self.ledger = BufferLedger()
         #: Set by the consumer-side state built over this one.
         self.watcher: SlotWatcher = _NoWatcher()
-        self._reading: Counter[int] = Counter()
-        self._parked: dict[int, list[FreedSlot]] = {}
+        #: Reads in progress (a copy out of a slot, a region's chunk, a producer writing):
+        #: the bytes of a slot freed meanwhile are parked until the last one ends.
+        self.reads = ReadGate()
+        #: Slots committed before their producer wrote all their bytes (streamed staging):
+        #: each write holds a read, so the buffer cannot go back while it may be written.
+        self.writes = StreamedWrites(worker_id, node)
         self._pulled_at: dict[int, float] = {}
         self._grace: list[tuple[float, int, FreedSlot]] = []  # a heap: (end, slot id, ...)
         self._followed: dict[int, set[DataHandle]] = {}  # pid -> handles that end with it
         self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
         #: The copies of our handles on other nodes (see ray_velo.owner.relays).
-        self._sources = CopySources()
-        #: Slots committed before their producer wrote all their bytes (streamed staging):
-        #: slot id -> [bytes written, total, producer pid]. Each counts as a read in
-        #: progress, so its buffer cannot go back while the producer may still write it.
-        self._writing: dict[int, list[int]] = {}
-        #: Slots whose producer stopped writing before the end (it died or failed) -> why:
-        #: a reader that waited for their bytes must not take what is there. Bounded: the
-        #: slot itself says it ended to any later lookup.
-        self._torn: dict[int, str] = {}
+        self.sources = CopySources()
 
     # --- staging ---------------------------------------------------------------------
 
@@ -193,6 +187,7 @@ class OwnerState:
             handle = self._store.stage(
                 total_len, type_header, location, kind=kind, pinned=pinned, now=now, ttl=ttl,
                 refcount=refcount, slot_id=slot_id, job=job, detached=detached,
+                windowable=windowable,
             )  # fmt: skip
         except Exception:
             if buffer is not None:
@@ -201,7 +196,6 @@ class OwnerState:
         slot = self._store.held(handle)
         if buffer is not None:
             self.ledger.move(buffer, holder, f"slot:{slot.slot_id}")
-        slot.windowable = windowable
         fx.poke = fx.poke or ttl is not None or new_job  # a new job: the timer watches it
         if follow_pid:
             followed = self._followed.setdefault(follow_pid, set())
@@ -215,63 +209,28 @@ class OwnerState:
 
     def begin_writing(self, slot_id: int, pid: int, total_len: int) -> None:
         """Slot ``slot_id`` was committed before process ``pid`` wrote its bytes: readers
-        wait for them (:meth:`written_through`), and its buffer stays until :meth:`written`
+        wait for them (``writes.through``), and its buffer stays until :meth:`written`
         says all of them are there, or ``pid`` dies."""
-        self._writing[slot_id] = [0, total_len, pid]
-        self._reading[slot_id] += 1
+        self.writes.begin(slot_id, pid, total_len)
+        self.reads.begin(slot_id)
 
     def written(self, slot_id: int, upto: int, now: float, fx: Effects) -> None:
         """The producer wrote bytes ``[0, upto)`` of slot ``slot_id``; ``upto`` < 0: it
         failed to, and the handle ends (its readers hear why)."""
-        writing = self._writing.get(slot_id)
-        if writing is None:
-            return
         if upto < 0:
-            self._stop_writing(slot_id, PRODUCER_FAILED, now, fx)
-            return
-        writing[0] = max(writing[0], upto)
-        if writing[0] >= writing[1]:
-            del self._writing[slot_id]
+            if self.writes.active(slot_id):
+                self._stop_writing(slot_id, PRODUCER_FAILED, now, fx)
+        elif self.writes.advance(slot_id, upto):
             self.end_read(slot_id, now, fx)
 
     def _stop_writing(self, slot_id: int, why: str, now: float, fx: Effects) -> None:
         """The producer will write no more of slot ``slot_id``: its handle ends (``why``),
         and its bytes go once no reader holds them."""
-        del self._writing[slot_id]
-        self._torn[slot_id] = why
-        if len(self._torn) > TORN_REMEMBERED:
-            del self._torn[next(iter(self._torn))]
+        self.writes.stop(slot_id, why)
         handle = DataHandle(self.worker_id, slot_id)
         if self._store.is_live(handle):
             self._bytes_end(self._store.end(handle, why), now, fx)
         self.end_read(slot_id, now, fx)
-
-    def written_through(self, slot_id: int, upto: int | None = None) -> bool:
-        """Whether bytes ``[0, upto)`` (None: all) of slot ``slot_id`` may be read: written,
-        or the slot is no longer being written.
-
-        Raises:
-            HandleNotFound: its producer stopped writing before the end.
-        """
-        if slot_id in self._torn:
-            handle = DataHandle(self.worker_id, slot_id)
-            raise HandleNotFound(handle=str(handle), node=self.node, reason=self._torn[slot_id])
-        writing = self._writing.get(slot_id)
-        return writing is None or (upto is not None and writing[0] >= upto)
-
-    def written_upto(self, slot_id: int, total_len: int) -> int:
-        """How many of slot ``slot_id``'s ``total_len`` bytes its producer has written.
-
-        Raises:
-            HandleNotFound: its producer stopped writing before the end.
-        """
-        self.written_through(slot_id, 0)
-        writing = self._writing.get(slot_id)
-        return total_len if writing is None else writing[0]
-
-    def being_written(self, slot_id: int) -> bool:
-        """Whether slot ``slot_id``'s producer is still writing its bytes."""
-        return slot_id in self._writing
 
     # --- lookups ---------------------------------------------------------------------
 
@@ -306,7 +265,7 @@ class OwnerState:
             chunked_leases=store.leases_of("chunked", now),
             late_reads=store.late_reads,
             quarantined_bytes=self.ledger.quarantined_bytes,
-            copy_sources=self._sources.count(),
+            copy_sources=self.sources.count(),
             draining=store.draining,
             counters=store.counters,
         )
@@ -336,22 +295,6 @@ class OwnerState:
             handle, now, kind=kind, timeout=timeout, holder_pid=holder_pid, claim=claim,
             consumer=consumer, windows=windows,
         )  # fmt: skip
-
-    def copy_source(
-        self, slot_id: int, node: str, worker: int, *, pick: bool, announce: bool
-    ) -> Source | None:
-        """Consumer agent ``worker`` on ``node`` is granted a GET of ``slot_id``: with
-        ``pick``, the copy it should read from first (a large payload), if there is one; with
-        ``announce``, its own copy counts from now (announced before its GET, so the next
-        consumer may read it as it fills)."""
-        source = self._sources.pick(slot_id, node) if pick else None
-        if announce:
-            self._sources.announce(slot_id, node, worker)
-        return source
-
-    def copy_gone(self, slot_id: int, node: str, worker: int) -> None:
-        """That node's copy of ``slot_id`` is no more."""
-        self._sources.gone(slot_id, node, worker)
 
     def ref(self, handle: DataHandle) -> int:
         """One more reference, for one more consumer. Returns the new refcount."""
@@ -417,7 +360,7 @@ class OwnerState:
         """A consumer agent's new incarnation on ``node`` acquires: end the old one's
         leases (see :meth:`SlotStore.supersede`). Returns the RDMA leases ended."""
         freed, rdma = self._store.supersede(node, worker)
-        self._sources.superseded(node, worker)
+        self.sources.superseded(node, worker)
         for item in freed:
             self._bytes_end(item, now, fx)
         return rdma
@@ -441,7 +384,7 @@ class OwnerState:
             )
         length = min(chunk_size, slot.total_len - start)
         if isinstance(slot.location, RegionSlot) or slot.location is None:
-            self._reading[slot.slot_id] += 1
+            self.reads.begin(slot.slot_id)
             return PullPlan(slot, start, length, view=False)
         self._pulled_at[slot.slot_id] = now
         return PullPlan(slot, start, length, view=True)
@@ -451,17 +394,10 @@ class OwnerState:
         before it frees any buffer those calls gave back."""
         return self._store.take_ended_windows()
 
-    def begin_read(self, slot_id: int) -> None:
-        """A copy out of slot ``slot_id`` starts: its bytes stay until :meth:`end_read`."""
-        self._reading[slot_id] += 1
-
     def end_read(self, slot_id: int, now: float, fx: Effects) -> None:
-        """A copy out of slot ``slot_id`` ended: bytes freed meanwhile may go now."""
-        self._reading[slot_id] -= 1
-        if self._reading[slot_id] > 0:
-            return
-        del self._reading[slot_id]
-        for freed in self._parked.pop(slot_id, []):
+        """A read of slot ``slot_id`` (``reads.begin``) ended: bytes freed meanwhile may go
+        now."""
+        for freed in self.reads.end(slot_id):
             _move_out(self.ledger, freed, f"parked:{slot_id}", fx)
 
     # --- timers and liveness ---------------------------------------------------------
@@ -487,14 +423,14 @@ class OwnerState:
 
     def watched_pids(self) -> set[int]:
         """Processes whose death the owner must notice: local readers, followed producers."""
-        writers = {pid for _, _, pid in self._writing.values()}
+        writers = self.writes.pids()
         return (self._store.holder_pids() | set(self._followed) | writers) - {0}
 
     def reap(self, dead: Iterable[int], now: float, fx: Effects) -> None:
         """Processes ``dead`` died: their local leases end (the watcher hears each slot they
         read), and the handles that followed them end."""
         dead = set(dead)
-        for slot_id in [s for s, (_, _, pid) in self._writing.items() if pid in dead]:
+        for slot_id in self.writes.written_by(dead):
             self._stop_writing(slot_id, PRODUCER_DIED, now, fx)
         read = self._store.read_by(dead)
         for freed in self._store.reap_holders(dead):
@@ -513,7 +449,7 @@ class OwnerState:
         how many handles ended."""
         ended, freed = self._store.end_job(job)
         for slot_id in ended:
-            for node, worker in self._sources.ended(slot_id):
+            for node, worker in self.sources.ended(slot_id):
                 fx.copy_ends.append((DataHandle(self.worker_id, slot_id), node, worker))
         for item in freed:
             self._bytes_end(item, now, fx)
@@ -533,7 +469,7 @@ class OwnerState:
             if s.total_len and (s.pinned or isinstance(s.location, RegionSlot))
         ]  # fmt: skip
         for slot in slots:
-            self.begin_read(slot.slot_id)
+            self.reads.begin(slot.slot_id)
         return slots
 
     def demote(self, slot: Slot, copy: tuple[Buffer, str] | None, now: float, fx: Effects) -> bool:
@@ -572,16 +508,13 @@ class OwnerState:
         give back every buffer but the quarantined ones (their pool's close unmaps them).
         Returns the slots freed."""
         freed = self._store.clear()
-        self._reading.clear()
-        self._writing.clear()
-        self._torn.clear()
+        parked = self.reads.clear()
+        self.writes.clear()
         self._pulled_at.clear()
         for item in freed:
             self._bytes_end(item, now, fx)
-        for slot_id, parked in list(self._parked.items()):
-            for item in parked:
-                _move_out(self.ledger, item, f"parked:{slot_id}", fx)
-        self._parked.clear()
+        for item in parked:
+            _move_out(self.ledger, item, f"parked:{item.slot_id}", fx)
         for _, _, item in self._grace:
             _move_out(self.ledger, item, f"grace:{item.slot_id}", fx)
         self._grace.clear()
@@ -597,15 +530,13 @@ class OwnerState:
             return
         slot_id = freed.slot_id
         self.watcher.slot_ended(slot_id)
-        for node, worker in self._sources.ended(slot_id):
+        for node, worker in self.sources.ended(slot_id):
             fx.copy_ends.append((DataHandle(self.worker_id, slot_id), node, worker))
         buffer = freed.location if _is_buffer(freed.location) else None
-        if self._reading[slot_id] > 0:
+        if self.reads.park(freed):
             if buffer is not None:
                 self.ledger.move(buffer, f"slot:{slot_id}", f"parked:{slot_id}")
-            self._parked.setdefault(slot_id, []).append(freed)
             return
-        self._reading.pop(slot_id, None)
         pulled = self._pulled_at.pop(slot_id, None)
         recent = pulled is not None and now < pulled + self.pull_grace_s
         if buffer is not None and freed.abandoned and recent:
@@ -642,20 +573,15 @@ class OwnerState:
 
         for slot in self._store.slots():
             add(slot.location, f"slot:{slot.slot_id}")
-        for slot_id, parked in self._parked.items():
-            for freed in parked:
-                add(freed.location, f"parked:{slot_id}")
+        for freed in self.reads.parked():
+            add(freed.location, f"parked:{freed.slot_id}")
         for _, _, freed in self._grace:
             add(freed.location, f"grace:{freed.slot_id}")
         for freed in self._demoted:
             add(freed.location, f"demoted:{freed.slot_id}")
         self.ledger.check(HOLDS, expected)
-        for slot_id, count in self._reading.items():
-            if count <= 0:
-                raise AssertionError(f"slot {slot_id} has {count} reads in progress")
-        for slot_id, (done, total, _) in self._writing.items():
-            if not 0 <= done < total or self._reading[slot_id] <= 0:
-                raise AssertionError(f"slot {slot_id} being written: {done} of {total} bytes")
+        self.reads.check()
+        self.writes.check(self.reads)
 
 
 def _move_out(ledger: BufferLedger, freed: FreedSlot, holder: str, fx: Effects) -> None:

@@ -160,7 +160,7 @@ def test_a_jobs_memory_goes_back_after_the_pull_grace_and_reads_in_progress() ->
     read = committed(state, read_buf, JOB_A, fx)
     lease = owner.grant(pulled, 0.0, kind="chunked", timeout=10.0)
     owner.pull(lease.lease_id, 0, 1024, now=5.0)
-    owner.begin_read(read.slot_id)
+    owner.reads.begin(read.slot_id)
     fx = Effects()
     assert owner.end_job(JOB_A, 5.2, fx) == 2
     state.validate()
@@ -183,7 +183,7 @@ def test_the_copies_of_a_jobs_handle_hear_of_its_end_at_once() -> None:
     state = AgentStates.new(WORKER)
     fx = Effects()
     handle = committed(state, Buf(1), JOB_A, fx)
-    state.owner.copy_source(handle.slot_id, "node-b", 7, pick=False, announce=True)
+    state.owner.sources.grant(handle.slot_id, "node-b", 7, pick=False, announce=True)
     state.owner.grant(handle, 0.0, kind="rdma", timeout=2.0)
     fx = Effects()
     state.owner.end_job(JOB_A, 0.1, fx)

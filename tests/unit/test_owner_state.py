@@ -332,7 +332,7 @@ class OwnerStateMachine(RuleBasedStateMachine):
         if self.handles:
             handle = data.draw(st.sampled_from(self.handles))
             if self.state.owner.held_slot(handle.slot_id) is not None:
-                self.state.owner.begin_read(handle.slot_id)
+                self.state.owner.reads.begin(handle.slot_id)
                 self.reads.append(handle.slot_id)
 
     @rule()

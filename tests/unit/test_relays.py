@@ -69,7 +69,7 @@ def test_copies_are_forgotten_when_gone_replaced_or_their_handle_ends() -> None:
 def test_the_end_of_a_handle_with_copies_tells_their_agents() -> None:
     state = AgentStates.new(WORKER)
     handle = staged(state, Buf(1))
-    state.owner.copy_source(handle.slot_id, "b", 11, pick=False, announce=True)
+    state.owner.sources.grant(handle.slot_id, "b", 11, pick=False, announce=True)
     fx = Effects()
     state.owner.end_lease(handle, 0, True, 1.0, fx)
     assert fx.copy_ends == [(handle, "b", 11)]

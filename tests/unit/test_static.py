@@ -32,3 +32,20 @@ def test_the_library_type_checks() -> None:
 def test_the_tree_lints_clean() -> None:
     done = run("ruff", "check", ".")
     assert done.returncode == 0, done.stdout[-4000:]
+
+
+#: The most methods the owner's state may have (issue 39): what grows beside its slots (the
+#: reads in progress, the streamed writes, the copies) goes into objects of its own.
+OWNER_STATE_METHODS_MAX = 35
+
+
+def test_the_owner_state_stays_small() -> None:
+    import ast
+
+    tree = ast.parse((ROOT / "ray_velo" / "owner" / "state.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OwnerState"]
+    methods = [f.name for f in cls.body if isinstance(f, ast.FunctionDef)]
+    assert len(methods) <= OWNER_STATE_METHODS_MAX, (
+        f"OwnerState has {len(methods)} methods (at most {OWNER_STATE_METHODS_MAX}): move a "
+        f"concern into an object of its own, as ReadGate and StreamedWrites"
+    )
