@@ -146,6 +146,21 @@ def _wire_address(worker_id: int) -> str | None:
     return wire_address_of(worker_id)
 
 
+def _agent_rdma(
+    config: VeloConfig, rdma: Any, rdma_enabled: bool, faults: FaultPlan | None
+) -> tuple[Any, str]:
+    """The agent's RDMA backend (UCX started here unless one was given; a fault test's
+    wrapped in its plan) and why there is none ("" when there is)."""
+    unavailable = "" if rdma is not None else "no RDMA backend given"
+    if rdma is _START_UCX:
+        rdma, unavailable = _start_rdma(config)
+        if rdma is not None and rdma_enabled:
+            _warn_cleartext_payloads(config)
+    if faults is not None and rdma is not None:
+        rdma = FaultyRdma(rdma, faults)
+    return rdma, unavailable
+
+
 class RendezvousAgent:
     """Owner and node-local consumer of staged payloads."""
 
@@ -173,13 +188,7 @@ class RendezvousAgent:
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
         rdma_enabled = config.rdma.rendezvous.enabled and not kill_switch_engaged(os.environ)
         agent_metrics = metrics.AgentMetrics(node_id)
-        self.rdma_unavailable = "" if rdma is not None else "no RDMA backend given"
-        if rdma is _START_UCX:
-            rdma, self.rdma_unavailable = _start_rdma(config)
-            if rdma is not None and rdma_enabled:
-                _warn_cleartext_payloads(config)
-        if faults is not None and rdma is not None:
-            rdma = FaultyRdma(rdma, faults)
+        rdma, self.rdma_unavailable = _agent_rdma(config, rdma, rdma_enabled, faults)
         registrar = None if rdma is None else rdma.registrar
         memory = NodeMemory(config, worker_id, registrar, agent_metrics)
         core = AgentCore(
