@@ -176,22 +176,21 @@ class Resolution:
         node, holding a tensor), each with its size: where its last part ends."""
         if self.mode != "claim":
             return {}
-        here = session.current().worker_id
         ends: dict[DataHandle, int] = {}
         tensors: set[DataHandle] = set()
 
         def leaf(item: Any) -> None:
-            if not isinstance(item, StagedValue) or item.part is None:
-                return
-            if item.handle.worker_id == here:
-                return
-            end = item.part.offset + item.nbytes
-            ends[item.handle] = max(ends.get(item.handle, 0), end)
-            if item.part.header.kind == "torch":
-                tensors.add(item.handle)
+            if isinstance(item, StagedValue) and item.part is not None:
+                end = item.part.offset + item.nbytes
+                ends[item.handle] = max(ends.get(item.handle, 0), end)
+                if item.part.header.kind == "torch":
+                    tensors.add(item.handle)
 
         visit(value, leaf)
-        return {handle: end for handle, end in ends.items() if handle in tensors and end}
+        if not tensors:  # no session asked for: a call without one stays without
+            return {}
+        here = session.current().worker_id
+        return {h: end for h, end in ends.items() if h in tensors and end and h.worker_id != here}
 
     def end(self, consume: bool) -> None:
         """The body is done: consume every claim, or give them back (a retry will claim
