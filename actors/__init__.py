@@ -1,5 +1,9 @@
 """The Ray actor layer, installed as ``ray_velo.actors``: one :class:`RendezvousActor` per node,
-and how to find it (docs/architecture.md §1)."""
+and how to find it (docs/architecture.md §1).
+
+May import: errors, config, _ray, protocol, metrics, memory, ucx, wire, state, agent, local,
+owner, consumer.
+"""
 
 from ray_velo.actors.directory import (
     NAMESPACE,

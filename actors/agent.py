@@ -19,26 +19,26 @@ from ray_velo import metrics
 from ray_velo.actors.faults import FaultPlan, FaultyRdma, SlowPulls, fault_injection_off
 from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
+from ray_velo.agent.core import AgentCore
+from ray_velo.agent.node_memory import NodeMemory
 from ray_velo.config import VeloConfig
-from ray_velo.consumer.fetch import Mode
 from ray_velo.consumer.links import Blocking, inline
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
-from ray_velo.core import AgentCore
-from ray_velo.entry import BY_NAME
 from ray_velo.errors import VeloError
 from ray_velo.local.producers import ProducerService
 from ray_velo.local.readers import ReaderService
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.local.regions import RegionService
 from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segments
-from ray_velo.memory.node import NodeMemory
 from ray_velo.owner.service import OwnerService
-from ray_velo.owner.state import OwnerState, RegionSlot
 from ray_velo.protocol import DataHandle, kill_switch_engaged
+from ray_velo.protocol.entry import BY_NAME
+from ray_velo.state.fetch import Mode
+from ray_velo.state.owner import OwnerState, RegionSlot
 from ray_velo.ucx.backend import UcxRdmaBackend
 from ray_velo.ucx.loader import ucx_available
-from ray_velo.wire_auth import WireAuth
+from ray_velo.wire.auth import WireAuth
 
 __all__ = ["LocalLease", "RendezvousAgent", "Reservation"]
 
@@ -383,7 +383,7 @@ class RendezvousAgent:
     # --- entry points --------------------------------------------------------------
 
     def entry(self, name: str) -> Callable[..., Any]:
-        """The method that serves entry point ``name`` (declared in :mod:`ray_velo.entry`:
+        """The method that serves entry point ``name`` (declared in :mod:`ray_velo.protocol.entry`:
         a role's method, or one of the agent's own).
 
         Raises:

@@ -14,13 +14,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_velo import _ray, nonblocking
+from ray_velo import _ray
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.faults import FaultPlan
 from ray_velo.actors.jobs import RayJobTable
+from ray_velo.agent import nonblocking
 from ray_velo.config import VeloConfig
-from ray_velo.consumer.fetch import Mode
-from ray_velo.entry import BLOCKING, COROUTINES, QUICK
 from ray_velo.errors import AgentShuttingDown, ConfigError
 from ray_velo.local.channel import (
     DISABLE_ENV,
@@ -28,10 +27,12 @@ from ray_velo.local.channel import (
     remove_stale_sockets,
     socket_path,
 )
-from ray_velo.owner.relays import RELAY_DISABLE_ENV
-from ray_velo.owner.wire import WIRE_DISABLE_ENV, WireServer
+from ray_velo.protocol.entry import BLOCKING, COROUTINES, QUICK
 from ray_velo.protocol.handshake import SECRET_BYTES
-from ray_velo.wire_auth import WireAuth
+from ray_velo.state.fetch import Mode
+from ray_velo.state.relays import RELAY_DISABLE_ENV
+from ray_velo.wire.auth import WireAuth
+from ray_velo.wire.server import WIRE_DISABLE_ENV, WireServer
 
 __all__ = [
     "NAMESPACE",
@@ -70,9 +71,9 @@ def agent_name(node_id: str) -> str:
 class _RendezvousActor:
     """The agent as an asyncio Ray actor.
 
-    The quick entry points (:data:`ray_velo.entry.QUICK`, a short change of state) run the
+    The quick entry points (:data:`ray_velo.protocol.entry.QUICK`, a short change of state) run the
     plain agent's method on the event loop, and again on a thread only if they reach a step
-    that may block (:mod:`ray_velo.nonblocking`): a thread hop saved each way on the
+    that may block (:mod:`ray_velo.agent.nonblocking`): a thread hop saved each way on the
     transfer's path. The others run on one of :data:`AGENT_THREADS` threads; ``fetch_remote``
     is a coroutine whose waits on the owner hold no thread, so fetches hanging on a stalled
     owner never starve the others (nor the owner handlers this agent serves). It records its

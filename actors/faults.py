@@ -14,7 +14,7 @@ from ray_velo.memory.pool import Registrar, Registration
 from ray_velo.protocol.descriptor import RdmaDescriptor
 
 if TYPE_CHECKING:
-    from ray_velo.backend import RdmaBackend
+    from ray_velo.agent.backend import RdmaBackend
     from ray_velo.owner.service import OwnerService
 
 __all__ = ["FAULTS", "FaultPlan", "FaultyRdma", "SlowPulls", "fault_injection_off"]
@@ -75,7 +75,7 @@ class FaultPlan:
         with self._lock:
             return self._values.get(name, 0.0)
 class FaultyRdma:
-    """An :class:`~ray_velo.backend.RdmaBackend` that passes every call to ``inner`` but
+    """An :class:`~ray_velo.agent.backend.RdmaBackend` that passes every call to ``inner`` but
     where the plan says otherwise (docs/architecture.md §12)."""
 
     def __init__(self, inner: RdmaBackend, plan: FaultPlan) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import ray
 from ray import exceptions as ray_errors
 
-from ray_velo import _ray, session
+from ray_velo import _ray
 from ray_velo.actors.directory import (
     NAMESPACE,
     agent_name,
@@ -22,10 +22,12 @@ from ray_velo.actors.directory import (
     load_cluster_config,
     store_cluster_config,
 )
+from ray_velo.client import session
+from ray_velo.client.payload import check_fetch_device, from_bytes_view
+from ray_velo.client.writable import PinnedWriter, SendBuffer, alloc_pinned_writer, empty
 from ray_velo.config import VeloConfig
 from ray_velo.errors import RegionDeregistered
 from ray_velo.local.records import LocalLease
-from ray_velo.payload import check_fetch_device, from_bytes_view
 from ray_velo.protocol import (
     DataHandle,
     DetachRequest,
@@ -38,7 +40,6 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
-from ray_velo.writable import PinnedWriter, SendBuffer, alloc_pinned_writer, empty
 
 __all__ = [
     "PinnedBuf",

@@ -160,7 +160,7 @@ class RdmaPoolConfig:
     #: Cap on registered bytes per node, pool and regions together. None (the default; the
     #: protocol says 1 GiB, docs/protocol.md §20): each agent takes a quarter of its node's
     #: memory, at least the protocol's 1 GiB, at most half its shm directory
-    #: (``ray_velo.memory.node.default_budget``): with 1 GiB a single 1.5 GiB payload fell to
+    #: (``ray_velo.agent.node_memory.default_budget``): with 1 GiB a single 1.5 GiB payload fell to
     #: the chunked path on any node (docs/tuning.md).
     registered_bytes_budget: int | None = None
     arena_reclaim_after: float | None = None

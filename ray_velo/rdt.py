@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import ray
 
-from ray_velo import _ray, session
+from ray_velo import _ray
+from ray_velo.client import session
+from ray_velo.client.payload import host_tensor, to_fetch_device
+from ray_velo.client.writable import alloc_pinned_writer, fetched_pinned_writer
 from ray_velo.errors import TransferError, UnsupportedPayload
-from ray_velo.payload import host_tensor, to_fetch_device
 from ray_velo.protocol import DataHandle
-from ray_velo.writable import alloc_pinned_writer, fetched_pinned_writer
 
 __all__ = [
     "VELO",

@@ -133,7 +133,7 @@ def _consumer_class() -> Any:
     import ray
 
     import ray_velo as rv
-    from ray_velo import session
+    from ray_velo.client import session
 
     @ray.remote(num_cpus=0)
     class Consumer:

@@ -38,7 +38,7 @@ def _wire_call(address: str, message: bytes) -> Any:
     opened once per measurement and authenticated, as the link keeps one open)."""
     from ray_velo.actors.directory import wire_secret
     from ray_velo.protocol.frames import HEADER, decode_answer, encode_request
-    from ray_velo.wire_auth import WireAuth
+    from ray_velo.wire.auth import WireAuth
 
     sock = WireAuth.from_environment(wire_secret()).connect_blocking(address, 30.0)
     request = encode_request("_rv_metadata", 1, message)
@@ -60,7 +60,7 @@ def _own_calls(reps: int) -> dict[str, float]:
     import ray
 
     import ray_velo as rv
-    from ray_velo import session
+    from ray_velo.client import session
 
     s, pid = session.current(), os.getpid()
     local = rv.put(bytes(CALL_PAYLOAD_BYTES))
@@ -97,7 +97,7 @@ def _remote_calls(handles: list[Any], owner: Any, wire: str, reps: int) -> dict[
     owner handler (Ray call vs the owner's TCP wire)."""
     import ray
 
-    from ray_velo import session
+    from ray_velo.client import session
     from ray_velo.protocol import MetadataRequest, encode
 
     s, pid = session.current(), os.getpid()

@@ -58,7 +58,7 @@ def agent_counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
     (``"relayed"``) of every reader host's agent, summed over those hosts."""
     import ray
 
-    from ray_velo import session
+    from ray_velo.client import session
 
     def counters() -> dict[str, int]:
         metrics = ray.get(session.current().agent.info.remote())["metrics"]

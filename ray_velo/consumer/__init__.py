@@ -1,3 +1,7 @@
-"""The consumer side: a cross-node fetch as a pure machine (:mod:`.fetch`), the driver that
-performs it (:mod:`.driver`), the owners it talks to (:mod:`.links`, :mod:`.peers`), and the
-agent's consumer role (:mod:`.service`)."""
+"""The consumer's role in an agent: the driver that performs a cross-node fetch
+(:mod:`.driver`, the machine itself is :mod:`ray_velo.state.fetch`), the owners it talks to
+(:mod:`.links`, :mod:`.peers`), read windows (:mod:`.windows`), relays (:mod:`.relay`) and the
+role's entry points (:mod:`.service`).
+
+May import: errors, protocol, memory, wire, state, agent, local, owner.
+"""

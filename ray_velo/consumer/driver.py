@@ -1,4 +1,4 @@
-"""Performs a :class:`~ray_velo.consumer.fetch.FetchMachine`'s instructions: the calls, the GET
+"""Performs a :class:`~ray_velo.state.fetch.FetchMachine`'s instructions: the calls, the GET
 with its lease renewal, the pulls, and the ledger moves. The machine decides; this only does."""
 
 from __future__ import annotations
@@ -11,8 +11,34 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ray_velo.consumer.deadline import Deadline
-from ray_velo.consumer.fetch import (
+from ray_velo.agent.core import AgentCore
+from ray_velo.consumer.links import Blocking, OwnerLink, acquire
+from ray_velo.consumer.peers import Peers
+from ray_velo.consumer.relay import copy_gone_notice, read_relay
+from ray_velo.consumer.windows import WindowFeed, written_range
+from ray_velo.errors import (
+    AgentShuttingDown,
+    DescriptorError,
+    UcxError,
+    VeloError,
+)
+from ray_velo.local.records import LocalLease, lease_of
+from ray_velo.memory.pool import Placement, Registration
+from ray_velo.memory.windows import WindowSet
+from ray_velo.protocol import (
+    AcquireRequest,
+    DataHandle,
+    DetachRequest,
+    LeaseRenewRequest,
+    Rdma,
+    Ready,
+    ReleaseRequest,
+    WindowRequest,
+    encode,
+)
+from ray_velo.protocol.descriptor import RdmaDescriptor
+from ray_velo.state.deadline import Deadline
+from ray_velo.state.fetch import (
     Acquire,
     Allocate,
     Allocated,
@@ -41,35 +67,9 @@ from ray_velo.consumer.fetch import (
     Stage,
     WithdrawWriter,
 )
-from ray_velo.consumer.links import Blocking, OwnerLink, acquire
-from ray_velo.consumer.peers import Peers
-from ray_velo.consumer.relay import copy_gone_notice, read_relay
-from ray_velo.consumer.windows import WindowFeed, written_range
-from ray_velo.core import AgentCore
-from ray_velo.errors import (
-    AgentShuttingDown,
-    DescriptorError,
-    UcxError,
-    VeloError,
-)
-from ray_velo.local.records import LocalLease, lease_of
-from ray_velo.memory.pool import Placement, Registration
-from ray_velo.memory.windows import WindowSet
-from ray_velo.owner.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES, Relay
-from ray_velo.owner.state import ReadMode
-from ray_velo.protocol import (
-    AcquireRequest,
-    DataHandle,
-    DetachRequest,
-    LeaseRenewRequest,
-    Rdma,
-    Ready,
-    ReleaseRequest,
-    WindowRequest,
-    encode,
-)
-from ray_velo.protocol.descriptor import RdmaDescriptor
-from ray_velo.store import Slot
+from ray_velo.state.owner import ReadMode
+from ray_velo.state.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES, Relay
+from ray_velo.state.store import Slot
 
 __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 

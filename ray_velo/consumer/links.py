@@ -11,7 +11,6 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ray_velo.consumer.deadline import Deadline
 from ray_velo.errors import OwnerDied, VeloError, WireAuthError
 from ray_velo.protocol import (
     AcquireRequest,
@@ -23,7 +22,8 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
-from ray_velo.wire_auth import WireAuth
+from ray_velo.state.deadline import Deadline
+from ray_velo.wire.auth import WireAuth
 
 __all__ = [
     "Blocking",
@@ -115,7 +115,7 @@ class RayOwnerLink:
         self.node = node
 
     def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
-        from ray_velo.calls import wait
+        from ray_velo.agent.calls import wait
 
         ref = getattr(self.actor, method).remote(message)
         return wait(
@@ -135,7 +135,7 @@ class RayOwnerLink:
             return
 
     def ucx_address(self, deadline: Deadline) -> tuple[int, bytes | None]:
-        from ray_velo.calls import wait
+        from ray_velo.agent.calls import wait
 
         ref = self.actor.ucx_address.remote()
         worker_id, address = wait(
@@ -151,7 +151,7 @@ class RayOwnerLink:
     async def call_async(
         self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
     ) -> Any:
-        from ray_velo.calls import wait_async
+        from ray_velo.agent.calls import wait_async
 
         return await wait_async(
             lambda: getattr(self.actor, method).remote(message),

@@ -9,11 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray_velo import nonblocking
-from ray_velo.core import AgentCore
+from ray_velo.agent import nonblocking
+from ray_velo.agent.core import AgentCore
 from ray_velo.errors import HandleNotFound, ProtocolError, UcxError, VeloError, WireAuthError
 from ray_velo.memory.pool import Placement
-from ray_velo.owner.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
 from ray_velo.protocol import (
     CopyNotice,
     DataHandle,
@@ -24,7 +23,8 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.frames import HEADER, MAX_FRAME_BYTES, decode_answer, encode_request
-from ray_velo.wire_auth import WireAuth
+from ray_velo.state.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
+from ray_velo.wire.auth import WireAuth
 
 __all__ = ["RelayLink", "RelayServer", "copy_gone_notice", "read_relay"]
 

@@ -9,14 +9,12 @@ import threading
 from collections import Counter
 from typing import Any
 
-from ray_velo import nonblocking
-from ray_velo.consumer.deadline import Deadline
+from ray_velo.agent import nonblocking
+from ray_velo.agent.core import AgentCore
 from ray_velo.consumer.driver import FetchDriver
-from ray_velo.consumer.fetch import Mode
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire, inline
 from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import RelayServer
-from ray_velo.core import AgentCore
 from ray_velo.errors import HandleNotFound, LeaseNotFound, OwnerDied, StagingError
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.memory.pool import Placement
@@ -30,6 +28,8 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.state.deadline import Deadline
+from ray_velo.state.fetch import Mode
 
 __all__ = ["ConsumerService"]
 

@@ -8,11 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.links import OwnerLink
 from ray_velo.errors import DescriptorError, ProtocolError, UcxError, VeloError
 from ray_velo.protocol import DataHandle, WindowAnswer, WindowRequest, decode, encode
 from ray_velo.protocol.descriptor import RdmaDescriptor
+from ray_velo.state.deadline import Deadline
 
 __all__ = ["WINDOW_CALL_S", "WindowFeed", "written_range"]
 

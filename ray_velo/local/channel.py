@@ -17,9 +17,9 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ray_velo.entry import CHANNEL_CALLS, CHANNEL_NOTICES, ORDERED_NOTICES
 from ray_velo.errors import AgentDied, VeloError
 from ray_velo.memory.arena import pid_alive
+from ray_velo.protocol.entry import CHANNEL_CALLS, CHANNEL_NOTICES, ORDERED_NOTICES
 
 __all__ = [
     "CHANNEL_METHODS",
@@ -39,7 +39,7 @@ __all__ = [
 #: sender about as much as a socket round trip, and a commit is on the producer's path); and
 #: of those the short changes of the agent's state, run in order with the calls of their
 #: connection (a put's commit lands before the same thread's next fetch of it; the others may
-#: wait on a peer, and run beside them). Declared in ray_velo.entry.
+#: wait on a peer, and run beside them). Declared in ray_velo.protocol.entry.
 CHANNEL_METHODS = CHANNEL_CALLS
 NOTICE_METHODS = CHANNEL_NOTICES
 _ORDERED_NOTICES = ORDERED_NOTICES

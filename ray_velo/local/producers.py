@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ray_velo.core import AgentCore
+from ray_velo.agent.core import AgentCore
 from ray_velo.local.records import Reservation
 from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.protocol.path import DEVICE_STAGING_REASONS

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 
-from ray_velo import nonblocking
-from ray_velo.core import AgentCore
+from ray_velo.agent import nonblocking
+from ray_velo.agent.core import AgentCore
 from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.local.records import LocalLease, lease_of
-from ray_velo.owner.state import ReadMode, RegionSlot
 from ray_velo.protocol import DataHandle
-from ray_velo.store import Slot
+from ray_velo.state.owner import ReadMode, RegionSlot
+from ray_velo.state.store import Slot
 
 __all__ = ["ReaderService"]
 
@@ -25,7 +25,7 @@ class ReaderService:
     def acquire(self, handle: DataHandle, pid: int, mode: ReadMode) -> LocalLease:
         """A lease for process ``pid`` reading an owned slot in place.
 
-        ``mode`` (see :meth:`~ray_velo.owner.state.OwnerState.local_acquire`): ``release``
+        ``mode`` (see :meth:`~ray_velo.state.owner.OwnerState.local_acquire`): ``release``
         consumes a reference now, ``claim`` claims one, ``detach`` and ``hold`` take none; with
         ``hold`` (the get family) the lease is the caller's to detach or release, and on a
         region slot its id comes back as ``remote_lease_id``.

@@ -8,14 +8,14 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from ray_velo.core import AgentCore
+from ray_velo.agent.core import AgentCore
 from ray_velo.errors import RegionDeregistered
 from ray_velo.local.records import RegionInfo
 from ray_velo.memory.arena import ShmArena
 from ray_velo.memory.pool import NoopRegistrar
 from ray_velo.memory.region import DrainTimedOut, Region
-from ray_velo.owner.state import Effects, RegionSlot
 from ray_velo.protocol import DataHandle, TypeHeader
+from ray_velo.state.owner import Effects, RegionSlot
 
 __all__ = ["RegionService"]
 

@@ -1,5 +1,8 @@
 """Staging memory: shared-memory arenas, the registered arena pool and caller-owned regions. No
-Ray, no UCX: the UCX backend plugs in as a :class:`Registrar` (docs/architecture.md §2)."""
+Ray, no UCX: the UCX backend plugs in as a :class:`Registrar` (docs/architecture.md §2).
+
+May import: errors, config, protocol.
+"""
 
 from __future__ import annotations
 

@@ -1,2 +1,5 @@
-"""The owner side: the pure state of an agent's slots and buffers (:mod:`.state`) and the
-seven ``_rv_*`` handlers over it (:mod:`.service`)."""
+"""The owner's role in an agent: the seven ``_rv_*`` handlers a peer's acquire, renew, read
+and release reach (:mod:`.service`), over the pure state in :mod:`ray_velo.state`.
+
+May import: errors, protocol, memory, state, agent.
+"""

@@ -8,14 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from ray_velo import nonblocking
-from ray_velo.core import AgentCore
-from ray_velo.entry import OWNER_HANDLERS
+from ray_velo.agent import nonblocking
+from ray_velo.agent.core import AgentCore
 from ray_velo.errors import ProtocolError, VeloError
 from ray_velo.memory.windows import WindowSet
-from ray_velo.owner.ledger import Buffer
-from ray_velo.owner.relays import RELAY_MIN_BYTES
-from ray_velo.owner.state import RegionSlot
 from ray_velo.protocol import (
     AcquireRequest,
     CopyNotice,
@@ -36,11 +32,15 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
-from ray_velo.store import Slot
+from ray_velo.protocol.entry import OWNER_HANDLERS
+from ray_velo.state.ledger import Buffer
+from ray_velo.state.owner import RegionSlot
+from ray_velo.state.relays import RELAY_MIN_BYTES
+from ray_velo.state.store import Slot
 
 __all__ = ["HANDLERS", "OwnerService"]
 
-#: The owner's handlers (declared in ray_velo.entry).
+#: The owner's handlers (declared in ray_velo.protocol.entry).
 HANDLERS = OWNER_HANDLERS
 #: The smallest window a slot still being written is read in.
 WRITTEN_WINDOW_MIN = 4 << 20

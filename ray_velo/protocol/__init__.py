@@ -1,5 +1,8 @@
 """The pure protocol core: no I/O, no clock, no Ray, no UCX (a test proves it); time and facts
-are arguments, decisions are return values."""
+are arguments, decisions are return values.
+
+May import: errors.
+"""
 
 from ray_velo.protocol.descriptor import (
     BACKEND_UCX,

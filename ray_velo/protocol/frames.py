@@ -9,8 +9,8 @@ from typing import Any
 import msgpack
 
 from ray_velo import errors
-from ray_velo.entry import WIRE_METHODS as _WIRE_METHODS
 from ray_velo.errors import ProtocolError, VeloError
+from ray_velo.protocol.entry import WIRE_METHODS as _WIRE_METHODS
 
 __all__ = [
     "HEADER",
@@ -23,7 +23,7 @@ __all__ = [
     "encode_request",
 ]
 
-#: The handlers agents call over TCP, in wire-number order (declared in ray_velo.entry;
+#: The handlers agents call over TCP, in wire-number order (declared in ray_velo.protocol.entry;
 #: ``_rv_pull`` moves chunks: it stays a Ray call).
 WIRE_METHODS = _WIRE_METHODS
 _METHOD_INDEX = {name: index for index, name in enumerate(WIRE_METHODS)}

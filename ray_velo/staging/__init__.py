@@ -1,5 +1,8 @@
 """``@ray_velo.transfer``: transparent staging of large arguments and results of Ray calls
-(docs/transfer.md; the protocol's mapping: docs/protocol.md §12)."""
+(docs/transfer.md; the protocol's mapping: docs/protocol.md §12).
+
+May import: errors, config, _ray, protocol, state, local, client, api.
+"""
 
 from ray_velo.staging.resolution import (
     Resolution,

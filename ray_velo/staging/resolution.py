@@ -10,14 +10,14 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import ray
 
-from ray_velo import session
+from ray_velo.client import session
+from ray_velo.client.payload import as_bytes_view, from_bytes_view, is_torch, payload_nbytes
+from ray_velo.client.writable import fetched_pinned_writer
 from ray_velo.errors import HandleNotFound, HandleReleased
 from ray_velo.local.records import LocalLease
-from ray_velo.payload import as_bytes_view, from_bytes_view, is_torch, payload_nbytes
 from ray_velo.protocol import DataHandle
 from ray_velo.staging.tree import PackedPart, StagedValue, TransferOptions, visit, walk
-from ray_velo.store import RELEASED_BY_CONSUMERS
-from ray_velo.writable import fetched_pinned_writer
+from ray_velo.state.store import RELEASED_BY_CONSUMERS
 
 _T = TypeVar("_T")
 
@@ -78,7 +78,7 @@ def _stage_packed(
     chosen: dict[int, Any], options: TransferOptions, budget_s: float | None
 ) -> dict[int, StagedValue]:
     """The chosen payloads in one slot (only into an arena already mapped, as
-    :func:`~ray_velo.session.stage_transparent`); none staged when none fits."""
+    :func:`~ray_velo.client.session.stage_transparent`); none staged when none fits."""
     views = {key: as_bytes_view(item) for key, item in chosen.items()}
     parts = [np.frombuffer(view, dtype=np.uint8) for _, view in views.values()]
     packed = session.stage_packed(

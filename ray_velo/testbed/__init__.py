@@ -1,5 +1,8 @@
 """An emulated multi-host Ray cluster on one machine, for the bench and the tests; it needs root
-(docs/benchmarks.md, "The testbed")."""
+(docs/benchmarks.md, "The testbed").
+
+May import: errors, memory, ucx, wire, api.
+"""
 
 from ray_velo.testbed.cluster import ENV_VAR, Host, Testbed, TestbedInfo, connect
 from ray_velo.testbed.errors import TestbedError, TestbedUnavailable

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, TypedDict
 
 from ray_velo.testbed.errors import TestbedUnavailable
-from ray_velo.wire_auth import TlsFiles
+from ray_velo.wire.auth import TlsFiles
 
 __all__ = [
     "AUTH_MODES",

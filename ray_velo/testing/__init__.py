@@ -1,5 +1,10 @@
 """Test doubles for ray_velo's tests and users': a fake clock, a fake RDMA transport, and a pair
-of real agents in one process without Ray or UCX (docs/api.md, "Testing")."""
+of real agents in one process without Ray or UCX (docs/api.md, "Testing").
+
+May import: errors, config, protocol, memory, ucx, state, agent, local, consumer, actors, client.
+"""
+
+from typing import TYPE_CHECKING
 
 from ray_velo.actors.faults import FaultyRdma
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
@@ -14,3 +19,12 @@ __all__ = [
     "InProcessLink",
     "InProcessPeers",
 ]
+
+if TYPE_CHECKING:  # mypy holds every implementation to the agent's RDMA protocol
+    from ray_velo.agent.backend import RdmaBackend
+    from ray_velo.ucx.backend import UcxRdmaBackend
+
+    def _implementations(
+        ucx: UcxRdmaBackend, fake: FakeRdma, faulty: FaultyRdma
+    ) -> tuple[RdmaBackend, RdmaBackend, RdmaBackend]:
+        return ucx, fake, faulty

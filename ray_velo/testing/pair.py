@@ -11,6 +11,7 @@ import numpy as np
 
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.faults import FaultPlan
+from ray_velo.client.payload import as_bytes_view
 from ray_velo.config import (
     RdmaConfig,
     RdmaPoolConfig,
@@ -18,12 +19,10 @@ from ray_velo.config import (
     VeloConfig,
     check_lifetime,
 )
-from ray_velo.consumer.deadline import Deadline
 from ray_velo.consumer.links import Blocking, OwnerLink
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.local.records import LocalLease
 from ray_velo.memory.arena import SegmentMap
-from ray_velo.payload import as_bytes_view
 from ray_velo.protocol import (
     AcquireRequest,
     CopyNotice,
@@ -34,6 +33,7 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.state.deadline import Deadline
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
 
 __all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]

@@ -1,5 +1,8 @@
 """ray_velo's binding to UCX (libucp). Importing this package loads no UCX: the first object
-created, or :func:`ucx_available`, does."""
+created, or :func:`ucx_available`, does.
+
+May import: errors, config, protocol, memory.
+"""
 
 from __future__ import annotations
 

@@ -170,9 +170,9 @@ def restart_agent(
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from ray_velo import session
     from ray_velo.actors import NAMESPACE, agent_name, ensure_agent
     from ray_velo.actors.directory import RendezvousActor, register_all_peers
+    from ray_velo.client import session
 
     node_id = node_ids()[node]
     stop_agent(node_id)

@@ -16,7 +16,7 @@ import ray_velo as rv
 from ray_velo.actors.directory import ensure_agent
 from ray_velo.config import MiB
 from ray_velo.local.channel import DISABLE_ENV
-from ray_velo.owner.wire import WIRE_DISABLE_ENV
+from ray_velo.wire.server import WIRE_DISABLE_ENV
 from tests.on_ray.conftest import agent_info, node_ids, restart_agent
 
 pytestmark = [pytest.mark.ray, pytest.mark.multinode]

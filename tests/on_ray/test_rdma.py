@@ -12,8 +12,8 @@ import pytest
 import ray
 
 import ray_velo as rv
-from ray_velo import session
 from ray_velo.actors.directory import ensure_agent, register_all_peers
+from ray_velo.client import session
 from ray_velo.config import MiB, RdmaConfig, UcxConfig
 from ray_velo.ucx.loader import ucx_available
 from tests.on_ray.conftest import (

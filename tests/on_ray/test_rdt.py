@@ -152,7 +152,7 @@ def test_a_streamed_tensor_arrives_whole_on_another_node_and_in_the_driver(velo:
 def stage_streamed_then_forget(nbytes: int, seed: int) -> tuple[rv.DataHandle, list[str]]:
     """Stage a streamed payload and end this worker's session at once (what ``rv.shutdown()``
     and an agent's death do): the ray_velo threads this worker still has afterwards."""
-    from ray_velo import session
+    from ray_velo.client import session
 
     data = np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
     handle = session.stage_streamed(data, ttl=None, follow_producer=False)

@@ -39,8 +39,8 @@ import ray
 from ray._common.test_utils import SignalActor
 
 import ray_velo as rv
-from ray_velo.owner.state import PRODUCER_DIED
 from ray_velo.rdt import VELO, VELO_NUMPY, VeloNumpyTransport
+from ray_velo.state.owner import PRODUCER_DIED
 from tests.on_ray.conftest import agent_info, wait_for
 
 torch = pytest.importorskip("torch")

@@ -294,7 +294,7 @@ def test_a_result_whose_staging_is_interrupted_midway_leaves_nothing_staged(
     """Two payloads in one result go into one packed slot; the copy of the second is
     interrupted: the reservation, with the first already in it, is given back, and no slot
     is left that nobody could ever hold the handle of."""
-    from ray_velo import session
+    from ray_velo.client import session
     from ray_velo.staging.resolution import stage_tree
 
     warm_on_node_a(2 * MiB + 64)

@@ -23,7 +23,6 @@ import numpy as np
 import ray
 
 import ray_velo as rv
-from ray_velo import session
 from ray_velo.actors.directory import (
     alive_node_ids,
     ensure_agent,
@@ -32,6 +31,7 @@ from ray_velo.actors.directory import (
     store_cluster_config,
     wire_secret,
 )
+from ray_velo.client import session
 from ray_velo.config import MiB, VeloConfig
 from ray_velo.protocol.handshake import ACCEPTED_BYTES, CHALLENGE_BYTES, ClientHandshake
 from ray_velo.testbed import TestbedInfo, connect

@@ -244,14 +244,14 @@ def test_unpickling_does_not_warn_again() -> None:
     ],
 )
 def test_the_default_budget_follows_the_node(memory: int, shm: int, budget: int) -> None:
-    from ray_velo.memory.node import default_budget
+    from ray_velo.agent.node_memory import default_budget
 
     assert default_budget(memory, shm) == budget
 
 
 def test_an_agent_without_a_budget_set_takes_its_nodes(tmp_path: Any) -> None:
     from ray_velo import metrics
-    from ray_velo.memory.node import SPEC_BUDGET_BYTES, NodeMemory
+    from ray_velo.agent.node_memory import SPEC_BUDGET_BYTES, NodeMemory
 
     memory = NodeMemory(VeloConfig(shm_dir=str(tmp_path)), 1, None, metrics.AgentMetrics("n"))
     assert memory.budget.budget_bytes >= SPEC_BUDGET_BYTES

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_velo import payload
+from ray_velo.client import payload
 from ray_velo.errors import ConfigError, UnsupportedPayload
 from ray_velo.protocol import Ready, TypeHeader, decode_acquire_response, encode
 from ray_velo.protocol.messages import decode

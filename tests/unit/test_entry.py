@@ -1,4 +1,4 @@
-"""The agent's entry points, declared once (ray_velo.entry): every declaration is served, the
+"""The agent's entry points, declared once (ray_velo.protocol.entry): every declaration is served, the
 carriers' tables come from it, and the wire's numbers never move."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_velo.entry import ENTRIES, OWNER_HANDLERS, WIRE_METHODS
 from ray_velo.local import channel
 from ray_velo.owner.service import HANDLERS, OwnerService
 from ray_velo.protocol import frames
+from ray_velo.protocol.entry import ENTRIES, OWNER_HANDLERS, WIRE_METHODS
 from ray_velo.testing import AgentPair
 
 #: The wire's numbers as agents of earlier versions send them: never renumbered.

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from ray_velo.consumer.fetch import (
+from ray_velo.errors import (
+    OwnerDied,
+    PayloadTooLarge,
+    ProtocolError,
+    StagingError,
+    TransferTimeout,
+)
+from ray_velo.protocol import DataHandle, Rdma, RdmaOffer, Ready
+from ray_velo.state.fetch import (
     Acquire,
     Allocate,
     Allocated,
@@ -31,14 +39,6 @@ from ray_velo.consumer.fetch import (
     Stage,
     WithdrawWriter,
 )
-from ray_velo.errors import (
-    OwnerDied,
-    PayloadTooLarge,
-    ProtocolError,
-    StagingError,
-    TransferTimeout,
-)
-from ray_velo.protocol import DataHandle, Rdma, RdmaOffer, Ready
 
 HANDLE = DataHandle(0xAB, 7, "node-a")
 RDMA = Rdma(lease_id=11, descriptor=b"d", lease_timeout_ms=2000, total_len=4096)

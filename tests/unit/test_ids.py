@@ -1,4 +1,4 @@
-"""Handles are capabilities (ray_velo.protocol.ids, ray_velo.store): the slot ids of one
+"""Handles are capabilities (ray_velo.protocol.ids, ray_velo.state.store): the slot ids of one
 agent are never repeated and not predictable from each other, so knowing one handle gives no
 other; lease ids likewise, and neither sequence reveals the other."""
 
@@ -32,7 +32,7 @@ from ray_velo.protocol import (
 )
 from ray_velo.protocol.ids import IdSequence
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.store import SlotStore
+from ray_velo.state.store import SlotStore
 from ray_velo.testing import AgentPair
 
 STAGINGS = 100_000

@@ -17,13 +17,13 @@ import pytest
 import ray_velo as rv
 from ray_velo.actors.jobs import JOB_END_BOUND_S, JOB_POLL_S, JobWatch
 from ray_velo.config import MiB, check_lifetime
-from ray_velo.consumer.state import KEPT_IDLE_S
 from ray_velo.errors import ConfigError, HandleNotFound, LeaseNotFound
-from ray_velo.owner.state import Effects
 from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.staging.tree import TransferOptions
-from ray_velo.states import AgentStates
-from ray_velo.store import JOB_ENDED, TTL_EXPIRED, SlotStore
+from ray_velo.state.agent import AgentStates
+from ray_velo.state.consumer import KEPT_IDLE_S
+from ray_velo.state.owner import Effects
+from ray_velo.state.store import JOB_ENDED, TTL_EXPIRED, SlotStore
 from ray_velo.testing import AgentPair, FakeJobs
 from tests.unit.test_owner_state import Buf
 

@@ -1,4 +1,4 @@
-"""The agent's quick calls on its event loop (ray_velo.nonblocking): a call that would block
+"""The agent's quick calls on its event loop (ray_velo.agent.nonblocking): a call that would block
 says so before it changed anything, and its slow effects leave the loop. Real agents
 (ray_velo.testing), no Ray: ``on_loop`` is what the actor wraps each quick call in."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_velo import nonblocking
+from ray_velo.agent import nonblocking
 from ray_velo.config import MiB
 from ray_velo.protocol import AcquireRequest, ReleaseRequest, TypeHeader, encode
 from ray_velo.testing import AgentPair

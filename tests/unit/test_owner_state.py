@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from ray_velo.errors import HandleNotFound, HandleReleased, StagingError
-from ray_velo.owner.state import Effects, RegionSlot
 from ray_velo.protocol import DataHandle, TypeHeader
-from ray_velo.states import AgentStates
+from ray_velo.state.agent import AgentStates
+from ray_velo.state.owner import Effects, RegionSlot
 
 WORKER = 0xC0FFEE
 RAW = TypeHeader()

@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ray_velo.errors import UnsupportedPayload
-from ray_velo.payload import (
+from ray_velo.client.payload import (
     as_bytes_view,
     dtype_from_wire,
     dtype_to_wire,
     from_bytes_view,
     payload_nbytes,
 )
+from ray_velo.errors import UnsupportedPayload
 from ray_velo.protocol.messages import TypeHeader, decode, encode
 
 

@@ -227,10 +227,13 @@ def test_kill_switch_values(value: str | None, engaged: bool) -> None:
 
 
 def test_protocol_imports_neither_ray_nor_ucx() -> None:
-    """The protocol core is pure: importing it pulls in no Ray, UCX, numpy or threads."""
+    """The protocol core and the agent's states are pure: importing them pulls in no Ray, UCX,
+    numpy or threads."""
     code = (
         "import sys\n"
-        "import ray_velo.protocol, ray_velo.store, ray_velo.memory.allocator\n"
+        "import ray_velo.protocol, ray_velo.memory.allocator\n"
+        "import ray_velo.state.agent, ray_velo.state.fetch, ray_velo.state.deadline\n"
+        "import ray_velo.state.progress\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('ray', 'libucx', 'numpy', 'cffi', 'threading_extra') or 'ucx._ucx' in m]\n"
         "assert not bad, bad\n"

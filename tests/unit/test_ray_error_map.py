@@ -1,4 +1,4 @@
-"""The one map from Ray's errors to ours (``ray_velo.calls.map_ray_error``), as a table.
+"""The one map from Ray's errors to ours (``ray_velo.agent.calls.map_ray_error``), as a table.
 
 Ray's exception objects are built directly, as Ray builds them when a call fails; no cluster.
 """
@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from ray import exceptions as ray_errors
 
-from ray_velo.calls import Peer, map_ray_error
+from ray_velo.agent.calls import Peer, map_ray_error
 from ray_velo.errors import (
     AgentDied,
     HandleNotFound,

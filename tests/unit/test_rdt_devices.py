@@ -12,7 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ray_velo import payload, rdt  # noqa: E402 (after the importorskip)
+from ray_velo import rdt  # noqa: E402 (after the importorskip)
+from ray_velo.client import payload  # noqa: E402
 from ray_velo.protocol import DataHandle  # noqa: E402
 from ray_velo.testing.device import fake_cuda  # noqa: E402 (after the importorskip)
 

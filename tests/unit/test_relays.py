@@ -13,12 +13,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from ray_velo.consumer.state import KEPT_IDLE_S
 from ray_velo.errors import HandleNotFound, LeaseNotFound
-from ray_velo.owner.relays import CopySources, Relay
-from ray_velo.owner.state import Effects
 from ray_velo.protocol import DataHandle, TypeHeader
-from ray_velo.states import AgentStates
+from ray_velo.state.agent import AgentStates
+from ray_velo.state.consumer import KEPT_IDLE_S
+from ray_velo.state.owner import Effects
+from ray_velo.state.relays import CopySources, Relay
 from tests.unit.test_owner_state import (
     PID,
     WORKER,

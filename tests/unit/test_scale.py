@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from ray_velo.owner.state import Effects
 from ray_velo.protocol import DataHandle, TypeHeader
-from ray_velo.states import AgentStates
+from ray_velo.state.agent import AgentStates
+from ray_velo.state.owner import Effects
 from tests.unit.test_owner_state import Buf
 
 WORKER = 0x5CA1E

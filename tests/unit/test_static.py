@@ -42,7 +42,7 @@ OWNER_STATE_METHODS_MAX = 35
 def test_the_owner_state_stays_small() -> None:
     import ast
 
-    tree = ast.parse((ROOT / "ray_velo" / "owner" / "state.py").read_text())
+    tree = ast.parse((ROOT / "ray_velo" / "state" / "owner.py").read_text())
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OwnerState"]
     methods = [f.name for f in cls.body if isinstance(f, ast.FunctionDef)]
     assert len(methods) <= OWNER_STATE_METHODS_MAX, (

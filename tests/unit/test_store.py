@@ -7,7 +7,7 @@ import pytest
 from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.store import SlotStore
+from ray_velo.state.store import SlotStore
 
 WORKER = 0xABCDEF
 RAW = TypeHeader()

@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.store import FreedSlot, LeaseKind, SlotKind, SlotStore, SweepResult
+from ray_velo.state.store import FreedSlot, LeaseKind, SlotKind, SlotStore, SweepResult
 
 WORKER = 0x5EED
 PIDS = (0, 101, 102)

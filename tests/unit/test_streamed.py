@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ray_velo.client.payload import as_bytes_view
 from ray_velo.config import MiB
 from ray_velo.errors import HandleNotFound
 from ray_velo.owner.service import WRITTEN_WINDOW_MIN, written_window_bytes
-from ray_velo.payload import as_bytes_view
 from ray_velo.protocol import DataHandle
 from ray_velo.testing import AgentPair
 from tests.unit.conftest import velo_threads
@@ -232,7 +232,7 @@ def test_a_handle_staged_whole_is_read_as_before(pair: AgentPair) -> None:
 def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
     """A streamed payload whose copy fails tells its agent (-1, the handle ends) and the
     producer's writer thread writes the next payload all the same."""
-    from ray_velo import session
+    from ray_velo.client import session
 
     notices: list[tuple[DataHandle, int]] = []
 
@@ -257,7 +257,7 @@ def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
 
 @given(st.lists(st.integers(0, 300), max_size=12))
 def test_a_packed_layout_aligns_each_part_and_overlaps_none(sizes: list[int]) -> None:
-    from ray_velo.session import PACK_ALIGN, pack_layout
+    from ray_velo.client.session import PACK_ALIGN, pack_layout
 
     offsets, total = pack_layout(sizes)
     assert len(offsets) == len(sizes)
@@ -272,7 +272,7 @@ def test_packed_pieces_land_at_their_offsets_and_the_gaps_are_zeroed() -> None:
     """Many parts streamed into one slot: each at its offset, the padding between them
     zeroed (no stale bytes of the slot's last payload reach a reader), the agent told a
     growing count of bytes ending at the slot's size."""
-    from ray_velo import session
+    from ray_velo.client import session
 
     notices: list[int] = []
 

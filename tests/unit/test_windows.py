@@ -20,21 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_velo.config import MiB, VeloConfig
-from ray_velo.consumer.fetch import (
-    Acquire,
-    Allocate,
-    Allocated,
-    Answered,
-    Count,
-    Done,
-    EndLease,
-    Fail,
-    FetchFacts,
-    FetchMachine,
-    Get,
-    GetOk,
-    Stage,
-)
 from ray_velo.errors import HandleNotFound, LeaseNotFound, ProtocolError
 from ray_velo.memory.pool import NoopRegistrar, RegistrationBudget
 from ray_velo.memory.windows import WindowSet
@@ -51,6 +36,21 @@ from ray_velo.protocol import (
     decode,
     decode_acquire_response,
     encode,
+)
+from ray_velo.state.fetch import (
+    Acquire,
+    Allocate,
+    Allocated,
+    Answered,
+    Count,
+    Done,
+    EndLease,
+    Fail,
+    FetchFacts,
+    FetchMachine,
+    Get,
+    GetOk,
+    Stage,
 )
 from ray_velo.testing import AgentPair
 from ray_velo.testing.pair import default_config

@@ -24,7 +24,6 @@ import msgpack
 import numpy as np
 
 from ray_velo.errors import ProtocolError
-from ray_velo.owner.wire import WireServer
 from ray_velo.protocol import messages
 from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
 from ray_velo.protocol.handle import DataHandle
@@ -36,7 +35,8 @@ from ray_velo.protocol.handshake import (
     ClientHandshake,
 )
 from ray_velo.testing import AgentPair
-from ray_velo.wire_auth import WireAuth
+from ray_velo.wire.auth import WireAuth
+from ray_velo.wire.server import WireServer
 from tests.unit.test_fuzz_at_scale import mutate, random_bytes, random_map, valid_message
 
 SECRET = bytes(range(100, 132))

@@ -1,4 +1,4 @@
-"""The agents' TCP wire (ray_velo.owner.wire, ray_velo.wire_auth): no handler runs for a peer
+"""The agents' TCP wire (ray_velo.wire.server, ray_velo.wire.auth): no handler runs for a peer
 that has not proved it holds the cluster's secret; a silent or failed peer is closed within
 the handshake's bound and counted; a flood of silent connections does not starve a real
 peer; under TLS the wire uses the cluster's certificates, mutually verified.
@@ -23,11 +23,11 @@ import pytest
 
 from ray_velo.consumer.relay import RelayLink
 from ray_velo.errors import HandleNotFound, WireAuthError
-from ray_velo.owner.wire import WireServer
 from ray_velo.protocol.frames import WIRE_METHODS, encode_request
 from ray_velo.protocol.handshake import CHALLENGE_BYTES, MAGIC, NONCE_BYTES, ClientHandshake
 from ray_velo.testbed.security import make_tls_files
-from ray_velo.wire_auth import TlsFiles, WireAuth
+from ray_velo.wire.auth import TlsFiles, WireAuth
+from ray_velo.wire.server import WireServer
 from tests.strangers import wire_outcome
 
 SECRET = os.urandom(32)
@@ -331,8 +331,8 @@ def test_tls_files_that_do_not_load_are_a_config_error(tmp_path: Path) -> None:
 def test_the_consumers_owner_link_uses_ray_calls_after_a_fake_owner(loop: LoopThread) -> None:
     """WireOwnerLink to an owner that fails the handshake: it is never called there again
     (the link is disabled: Ray calls from then on) and the refusal is counted."""
-    from ray_velo.consumer.deadline import Deadline
     from ray_velo.consumer.links import WireOwnerLink
+    from ray_velo.state.deadline import Deadline
 
     fake = Owner(loop, secret=os.urandom(32))
     refused: list[str] = []

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ray_velo.writable import held_elsewhere, typed_array
+from ray_velo.client.writable import held_elsewhere, typed_array
 
 
 class _Exporter:
@@ -84,7 +84,7 @@ def test_an_array_over_plain_numpy_memory_is_judged_the_same() -> None:
 def test_this_interpreter_counts_references_as_the_check_expects() -> None:
     """Else every seal copies (safe, slow): a new CPython that counts differently must show
     up here, not as a silent loss of the zero-copy path."""
-    from ray_velo import writable
+    from ray_velo.client import writable
 
     assert writable._counts_as_expected()
 
@@ -92,7 +92,7 @@ def test_this_interpreter_counts_references_as_the_check_expects() -> None:
 def test_an_interpreter_whose_counts_cannot_be_read_makes_every_seal_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ray_velo import writable
+    from ray_velo.client import writable
 
     monkeypatch.setattr(writable, "_counts_as_expected", lambda: False)
     array = _array()

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ray_velo.consumer.state import ConsumerState
-from ray_velo.owner.ledger import Effects
-from ray_velo.owner.reservations import Reservations
-from ray_velo.owner.state import PULL_GRACE_S, OwnerState
 from ray_velo.protocol.handle import DataHandle
+from ray_velo.state.consumer import ConsumerState
+from ray_velo.state.ledger import Effects
+from ray_velo.state.owner import PULL_GRACE_S, OwnerState
+from ray_velo.state.reservations import Reservations
 
 __all__ = ["AgentStates", "Reaped"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ray_velo.errors import HandleNotFound
 from ray_velo.protocol.handle import DataHandle
-from ray_velo.store import FreedSlot
+from ray_velo.state.store import FreedSlot
 
 __all__ = ["ReadGate", "StreamedWrites"]
 

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ray_velo.errors import StagingError
-from ray_velo.owner.ledger import Buffer, Effects, Holdings
-from ray_velo.owner.state import OwnerState
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.store import SlotKind
+from ray_velo.state.ledger import Buffer, Effects, Holdings
+from ray_velo.state.owner import OwnerState
+from ray_velo.state.store import SlotKind
 
 __all__ = ["Pending", "Reservations"]
 
@@ -83,7 +83,7 @@ class Reservations:
         Transport object, whose normal end is its source process's garbage collection).
         ``job``: the Ray job that staged it; the handle ends with it unless ``detached``.
         ``writing``: its producer commits before writing the bytes, and says how far it got
-        (:meth:`~ray_velo.owner.state.OwnerState.written`)."""
+        (:meth:`~ray_velo.state.owner.OwnerState.written`)."""
         pending = self._pending.pop(rid, None)
         if pending is None:
             raise StagingError(f"reservation {rid} is unknown or was reaped")

@@ -18,7 +18,7 @@ from ray_velo.protocol.frames import (
     encode_answer,
     encode_error,
 )
-from ray_velo.wire_auth import HANDSHAKE_TIMEOUT_S, WireAuth, peer_address
+from ray_velo.wire.auth import HANDSHAKE_TIMEOUT_S, WireAuth, peer_address
 
 __all__ = ["MAX_PENDING_HANDSHAKES", "WIRE_DISABLE_ENV", "WireServer"]
 

@@ -9,19 +9,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ray_velo import nonblocking
-from ray_velo.backend import RdmaBackend
+from ray_velo.agent import nonblocking
+from ray_velo.agent.backend import RdmaBackend
+from ray_velo.agent.node_memory import NodeMemory
 from ray_velo.config import VeloConfig
-from ray_velo.consumer.state import ConsumerState
 from ray_velo.errors import AgentShuttingDown, StagingError, UcxError
-from ray_velo.memory.node import NodeMemory
 from ray_velo.memory.pool import Placement
 from ray_velo.metrics import AgentMetrics
-from ray_velo.owner.ledger import Effects
-from ray_velo.owner.reservations import Reservations
-from ray_velo.owner.state import OwnerState
 from ray_velo.protocol import DataHandle
-from ray_velo.states import AgentStates
+from ray_velo.state.agent import AgentStates
+from ray_velo.state.consumer import ConsumerState
+from ray_velo.state.ledger import Effects
+from ray_velo.state.owner import OwnerState
+from ray_velo.state.reservations import Reservations
 
 __all__ = ["COMMIT_WAIT_S", "AgentCore", "CommitGate"]
 
@@ -178,7 +178,7 @@ class AgentCore:
     def perform(self, fx: Effects) -> None:
         """Give buffers back, release anchors, poke the timer (outside the lock). Giving a
         dedicated arena back may unmap it, and an anchor's release may deregister a region:
-        on the event loop those go to a thread (:func:`~ray_velo.nonblocking.defer`)."""
+        on the event loop those go to a thread (:func:`~ray_velo.agent.nonblocking.defer`)."""
         now = self.clock()
         if fx.windows:
             self._perform_after_windows(fx, now)

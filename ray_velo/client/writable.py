@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ray_velo import session
+from ray_velo.client import session
+from ray_velo.client.payload import as_bytes_view
 from ray_velo.errors import StagingError, UnsupportedPayload
 from ray_velo.local.records import Reservation
-from ray_velo.payload import as_bytes_view
 from ray_velo.protocol import DataHandle
 
 __all__ = ["PinnedWriter", "SendBuffer", "alloc_pinned_writer", "empty"]
@@ -161,7 +161,7 @@ def fetched_pinned_writer(
 ) -> PinnedWriter:
     """A PinnedWriter of ``nbytes`` holding ``handle``'s bytes, from an owner on another
     node: the reservation and the GET into it in one call to this node's agent (``mode``
-    as :func:`~ray_velo.session.fetch_into_writer`'s)."""
+    as :func:`~ray_velo.client.session.fetch_into_writer`'s)."""
     return PinnedWriter(*session.fetch_into_writer(handle, nbytes, timeout, mode))
 
 

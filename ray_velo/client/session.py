@@ -19,13 +19,13 @@ import ray
 from ray import exceptions as ray_errors
 
 from ray_velo import _ray
-from ray_velo.calls import clear_ray_frames, wait
+from ray_velo.agent.calls import clear_ray_frames, wait
+from ray_velo.client.payload import as_bytes_view, from_bytes_view
 from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
 from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel, ChannelFull
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.memory.arena import SegmentMap
-from ray_velo.payload import as_bytes_view, from_bytes_view
 from ray_velo.protocol import DataHandle, TypeHeader
 
 __all__ = [

@@ -56,8 +56,8 @@ from ray_velo.protocol.messages import TypeHeader
 
 if TYPE_CHECKING:
     from ray_velo.memory.windows import WindowSet
-    from ray_velo.owner.ledger import Buffer
-    from ray_velo.owner.state import RegionSlot
+    from ray_velo.state.ledger import Buffer
+    from ray_velo.state.owner import RegionSlot
 
 #: Where a slot's bytes are: a pool buffer, a caller's region, or nowhere (zero bytes).
 #: Opaque to the store; the owner state gives it back (FreedSlot) when the bytes may go.

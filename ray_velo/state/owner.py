@@ -10,13 +10,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol, TypeGuard
 
 from ray_velo.errors import HandleNotFound, ProtocolError
-from ray_velo.owner.ledger import Buffer, BufferLedger, Effects, Holdings
-from ray_velo.owner.progress import ReadGate, StreamedWrites
-from ray_velo.owner.relays import CopySources
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import ID_KEY_BYTES
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.store import FreedSlot, Lease, LeaseKind, Slot, SlotKind, SlotStore, StoreCounters
+from ray_velo.state.ledger import Buffer, BufferLedger, Effects, Holdings
+from ray_velo.state.progress import ReadGate, StreamedWrites
+from ray_velo.state.relays import CopySources
+from ray_velo.state.store import (
+    FreedSlot,
+    Lease,
+    LeaseKind,
+    Slot,
+    SlotKind,
+    SlotStore,
+    StoreCounters,
+)
 
 if TYPE_CHECKING:
     from ray_velo.memory.region import InFlight, Region
@@ -139,7 +147,7 @@ class OwnerState:
         self._grace: list[tuple[float, int, FreedSlot]] = []  # a heap: (end, slot id, ...)
         self._followed: dict[int, set[DataHandle]] = {}  # pid -> handles that end with it
         self._demoted: list[FreedSlot] = []  # registered bytes of slots shutdown demoted
-        #: The copies of our handles on other nodes (see ray_velo.owner.relays).
+        #: The copies of our handles on other nodes (see ray_velo.state.relays).
         self.sources = CopySources()
 
     # --- staging ---------------------------------------------------------------------
@@ -285,7 +293,7 @@ class OwnerState:
         holder_pid: int = 0,
     ) -> Lease:
         """A lease for a consumer agent (RDMA or chunked) on a live handle; see
-        :meth:`SlotStore.acquire <ray_velo.store.SlotStore.acquire>` for the arguments.
+        :meth:`SlotStore.acquire <ray_velo.state.store.SlotStore.acquire>` for the arguments.
 
         Raises:
             HandleNotFound: the handle ended (or never was).

@@ -9,13 +9,13 @@ import os
 import threading
 from typing import Any
 
-from ray_velo import nonblocking
+from ray_velo.agent import nonblocking
 from ray_velo.config import RdmaPoolConfig, VeloConfig
 from ray_velo.errors import SharedMemoryTooSmall, StagingError
 from ray_velo.memory.arena import page_round_up, remove_stale_segments
 from ray_velo.memory.pool import ArenaPool, Fallback, Placement, Registrar, RegistrationBudget
 from ray_velo.memory.spares import SparePolicy
-from ray_velo.store import SlotKind
+from ray_velo.state.store import SlotKind
 
 __all__ = ["PLAIN_MAX_ARENA_BYTES", "SPEC_BUDGET_BYTES", "NodeMemory", "default_budget"]
 

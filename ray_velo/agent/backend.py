@@ -1,9 +1,10 @@
 """The seam between an agent and its RDMA transport: :class:`RdmaBackend`, which UCX, the fake and
-the faulty backend implement, held to it by type checking (docs/architecture.md §2)."""
+the faulty backend implement, held to it by type checking (in :mod:`ray_velo.testing`, the
+layer that sees all three) (docs/architecture.md §2)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ray_velo.memory.pool import Registrar, Registration
 from ray_velo.protocol.descriptor import RdmaDescriptor
@@ -75,14 +76,3 @@ class RdmaBackend(Protocol):
     def next_reap_due(self, now: float) -> float | None: ...
 
     def close(self) -> None: ...
-
-
-if TYPE_CHECKING:  # mypy holds every implementation to the protocol
-    from ray_velo.actors.faults import FaultyRdma
-    from ray_velo.testing.fakes import FakeRdma
-    from ray_velo.ucx.backend import UcxRdmaBackend
-
-    def _implementations(
-        ucx: UcxRdmaBackend, fake: FakeRdma, faulty: FaultyRdma
-    ) -> tuple[RdmaBackend, RdmaBackend, RdmaBackend]:
-        return ucx, fake, faulty

@@ -9,13 +9,13 @@ from collections import Counter
 from collections.abc import Iterable
 
 from ray_velo.errors import HandleNotFound, LeaseNotFound
-from ray_velo.owner.ledger import Buffer, BufferLedger, Effects, Holdings
-from ray_velo.owner.relays import Relay
-from ray_velo.owner.state import OwnerState, RegionSlot
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import IdSequence
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.store import Slot, SlotKind
+from ray_velo.state.ledger import Buffer, BufferLedger, Effects, Holdings
+from ray_velo.state.owner import OwnerState, RegionSlot
+from ray_velo.state.relays import Relay
+from ray_velo.state.store import Slot, SlotKind
 
 __all__ = ["COPY_ENDED", "COPY_IDLE", "COPY_UNUSED", "KEPT_IDLE_S", "ConsumerState"]
 
