@@ -74,6 +74,8 @@ class FaultPlan:
     def seconds(self, name: str) -> float:
         with self._lock:
             return self._values.get(name, 0.0)
+
+
 class FaultyRdma:
     """An :class:`~ray_velo.agent.backend.RdmaBackend` that passes every call to ``inner`` but
     where the plan says otherwise (docs/architecture.md §12)."""
@@ -165,5 +167,3 @@ class SlowPulls:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
