@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import secrets
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -19,6 +18,7 @@ from ray_velo import metrics
 from ray_velo.actors.faults import FaultPlan, FaultyRdma, SlowPulls, fault_injection_off
 from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
+from ray_velo.agent.clock import Clock
 from ray_velo.agent.core import AgentCore
 from ray_velo.agent.node_memory import NodeMemory
 from ray_velo.config import VeloConfig
@@ -52,7 +52,7 @@ WARM_UP_RETRY_S = 0.05
 _START_UCX: Any = object()  # the default of RendezvousAgent(rdma=...): start UCX if it loads
 
 
-def _start_rdma(config: VeloConfig) -> tuple[UcxRdmaBackend | None, str]:
+def _start_rdma(config: VeloConfig, clock: Clock) -> tuple[UcxRdmaBackend | None, str]:
     """The agent's UCX backend, or None (logged) when UCX is off or cannot load, with why."""
     if not config.rdma.ucx.enabled:
         return None, "UCX is off in the configuration (rdma.ucx.enabled=False)"
@@ -61,7 +61,7 @@ def _start_rdma(config: VeloConfig) -> tuple[UcxRdmaBackend | None, str]:
         _log.warning("ray_velo: UCX unavailable (%s); this node serves the chunked path only", why)
         return None, f"UCX unavailable: {why}"
     try:
-        return UcxRdmaBackend(config.rdma.ucx), ""
+        return UcxRdmaBackend(config.rdma.ucx, clock), ""
     except VeloError as exc:
         _log.warning("ray_velo: UCX failed to start; chunked path only", exc_info=True)
         return None, f"UCX failed to start: {exc}"
@@ -147,13 +147,13 @@ def _wire_address(worker_id: int) -> str | None:
 
 
 def _agent_rdma(
-    config: VeloConfig, rdma: Any, rdma_enabled: bool, faults: FaultPlan | None
+    config: VeloConfig, rdma: Any, rdma_enabled: bool, faults: FaultPlan | None, clock: Clock
 ) -> tuple[Any, str]:
     """The agent's RDMA backend (UCX started here unless one was given; a fault test's
     wrapped in its plan) and why there is none ("" when there is)."""
     unavailable = "" if rdma is not None else "no RDMA backend given"
     if rdma is _START_UCX:
-        rdma, unavailable = _start_rdma(config)
+        rdma, unavailable = _start_rdma(config, clock)
         if rdma is not None and rdma_enabled:
             _warn_cleartext_payloads(config)
     if faults is not None and rdma is not None:
@@ -172,7 +172,7 @@ class RendezvousAgent:
         worker_id: int | None = None,
         rdma: Any = _START_UCX,
         peers: Peers | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         timer: bool = True,
         jobs: JobTable | None = None,
         wire_auth: WireAuth | None = None,
@@ -186,9 +186,10 @@ class RendezvousAgent:
         ``ray_velo.testing``: an RDMA backend in place of UCX (None: none), a peer directory,
         a clock, and no timer thread (the test calls :meth:`tick`)."""
         worker_id = worker_id if worker_id is not None else secrets.randbits(64) | 1
+        clock = clock if clock is not None else Clock()  # the agent's one clock, passed down
         rdma_enabled = config.rdma.rendezvous.enabled and not kill_switch_engaged(os.environ)
         agent_metrics = metrics.AgentMetrics(node_id)
-        rdma, self.rdma_unavailable = _agent_rdma(config, rdma, rdma_enabled, faults)
+        rdma, self.rdma_unavailable = _agent_rdma(config, rdma, rdma_enabled, faults, clock)
         registrar = None if rdma is None else rdma.registrar
         memory = NodeMemory(config, worker_id, registrar, agent_metrics)
         core = AgentCore(
@@ -501,7 +502,7 @@ class RendezvousAgent:
         """
         core = self.core
         bound = timeout_s if timeout_s is not None else core.config.rdma.shutdown_timeout
-        deadline = time.monotonic() + (bound if bound is not None else 30.0)
+        deadline = core.clock() + (bound if bound is not None else 30.0)
         with core.lock:
             if core.closed:
                 return {"slots": 0}
@@ -580,7 +581,7 @@ class RendezvousAgent:
         the reads of fetches that finished during the drain (their reader maps the copy,
         which may sit in registered memory, after the fetch returns)."""
         state = self.core.state
-        fetches = self.consumer.wait_idle(max(0.0, deadline - time.monotonic()))
+        fetches = self.consumer.wait_idle(deadline)
         clock = self.core.clock
 
         def drained() -> bool:

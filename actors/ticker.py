@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 __all__ = ["Ticker"]
@@ -21,7 +20,7 @@ class Ticker:
         tick: Callable[[float], float | None],
         *,
         name: str = "ray_velo-ticker",
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float],
     ) -> None:
         self._tick = tick
         self._clock = clock

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ray_velo.agent import nonblocking
 from ray_velo.agent.backend import RdmaBackend
+from ray_velo.agent.clock import Clock
 from ray_velo.agent.node_memory import NodeMemory
 from ray_velo.config import VeloConfig
 from ray_velo.errors import AgentShuttingDown, StagingError, UcxError
@@ -86,8 +86,8 @@ class AgentCore:
     metrics: AgentMetrics
     rdma: RdmaBackend | None  # UCX (ray_velo.ucx.backend.UcxRdmaBackend), a fake, or none
     rdma_enabled: bool
+    clock: Clock
     poke: Callable[[], None] = lambda: None
-    clock: Callable[[], float] = time.monotonic
     lock: threading.RLock = field(default_factory=threading.RLock)
     commits: CommitGate = field(init=False)
     #: ``state`` with the reservations and consumer-side state over its ledger.
@@ -159,21 +159,15 @@ class AgentCore:
             if written():
                 return
         nonblocking.check(f"waiting for the bytes of {handle} to be written")
-        if not self.wait_until(written, time.monotonic() + timeout_s):
+        if not self.wait_until(written, self.clock() + timeout_s):
             raise StagingError(
                 f"handle {handle}: its producer did not write its bytes within {timeout_s} s"
             )
 
-    def wait_until(self, ready: Callable[[], bool], deadline: float) -> bool:
-        """Wait (under the lock) until ``ready()`` or the monotonic ``deadline``; says which.
-        Looks again at least every 0.1 s: a lease deadline passes without a change."""
-        with self.lock:
-            while not ready():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self.changed.wait(min(left, 0.1))
-            return True
+    def wait_until(self, ready: Callable[[], bool], until: float) -> bool:
+        """Wait (under the lock) until ``ready()`` or ``until`` on the agent's clock; says
+        which."""
+        return self.clock.wait(self.changed, ready, until)
 
     def perform(self, fx: Effects) -> None:
         """Give buffers back, release anchors, poke the timer (outside the lock). Giving a

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from ray_velo.agent.clock import Clock, Deadline
 from ray_velo.agent.core import AgentCore
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
@@ -37,7 +38,6 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.descriptor import RdmaDescriptor
-from ray_velo.state.deadline import Deadline
 from ray_velo.state.fetch import (
     Acquire,
     Allocate,
@@ -95,7 +95,7 @@ class LeaseRenewals:
     A lease_timeout_ms of 0 means the owner set no deadline: nothing to renew.
     """
 
-    def __init__(self, node: str = "", clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, node: str, clock: Clock) -> None:
         """``clock``: the agent's (``ray_velo.testing.FakeClock`` in tests, which then
         :meth:`wake` the thread after moving it)."""
         self._node = node  # whose agent renews (for the error after close)
@@ -246,7 +246,7 @@ class _Run:
 
     def _left(self, until: float) -> float:
         """Seconds left until ``until`` on the agent's clock (at least 1 ms)."""
-        return max(until - self.core.clock(), 0.001)
+        return self.core.clock.left(until)
 
     async def _acquire(self, instruction: Acquire) -> Event:
         budget = self.deadline.budget_ms()
@@ -420,7 +420,7 @@ class _Run:
         self.link.send("_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id))
         done = core.wait_until(
             lambda: not state.relay_reading(relay, core.clock()),
-            time.monotonic() + LENT_READERS_WAIT_S,
+            core.clock() + LENT_READERS_WAIT_S,
         )
         with core.lock:
             state.relay_close_lent(relay)  # a reader's next renewal: go to the owner
@@ -486,7 +486,7 @@ class _Run:
             index = at // size
             descriptor, upto = written_range(
                 self.link, self.handle, answer.lease_id, self.core.ucx(), size, total, index,
-                self._left(until),
+                self._left(until), self.core.clock,
             )  # fmt: skip
             self._get_range(
                 self.link.node, descriptor, at, upto, self._left(until), pieces, base=index * size

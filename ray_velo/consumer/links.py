@@ -11,6 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from ray_velo.agent.clock import Deadline
 from ray_velo.errors import OwnerDied, VeloError, WireAuthError
 from ray_velo.protocol import (
     AcquireRequest,
@@ -22,7 +23,6 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
-from ray_velo.state.deadline import Deadline
 from ray_velo.wire.auth import WireAuth
 
 __all__ = [

@@ -7,11 +7,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ray_velo.agent.clock import Deadline
 from ray_velo.consumer.links import OwnerLink, RayOwnerLink, WireOwnerLink
 from ray_velo.consumer.relay import RelayLink, copy_gone_notice
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.protocol import DataHandle
-from ray_velo.state.deadline import Deadline
 from ray_velo.wire.auth import WireAuth
 
 __all__ = ["PeerDirectory", "Peers"]

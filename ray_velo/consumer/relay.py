@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +55,7 @@ class RelayServer:
         nonblocking.check("waiting for a copy's bytes")
         core, remote = self.core, request.handle
         state, lease_timeout = core.consumer_state, core.config.rdma.rendezvous.lease_timeout
-        until = time.monotonic() + RELAY_WAIT_S
+        until = core.clock() + RELAY_WAIT_S
         lease_id, first = request.lease_id, request.lease_id == 0
         self.renewals += not first
         if first:  # a copy may be a moment from opening: its fetch is still acquiring
@@ -189,7 +188,7 @@ def read_relay(
     handle, node = copy
     total, done, lease_id = dest.nbytes, 0, 0
     try:
-        wait_s = min(RELAY_WAIT_S + _ANSWER_S, max(until - core.clock(), 0.001))
+        wait_s = min(RELAY_WAIT_S + _ANSWER_S, core.clock.left(until))
         request = RelayRequest(handle, 0, min(total, RELAY_PIECE_BYTES))
         progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
         lease_id = progress.lease_id
@@ -197,7 +196,7 @@ def read_relay(
         piece_s = max(progress.lease_timeout_ms / 2000, 0.001)  # within the relay lease
         while True:
             if progress.landed > done:
-                left = max(until - core.clock(), 0.001)
+                left = core.clock.left(until)
                 get_range(node, descriptor, done, progress.landed, min(left, piece_s))
                 done = progress.landed
             if done >= total:

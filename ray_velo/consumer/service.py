@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from ray_velo.agent import nonblocking
+from ray_velo.agent.clock import Deadline
 from ray_velo.agent.core import AgentCore
 from ray_velo.consumer.driver import FetchDriver
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire, inline
@@ -28,7 +29,6 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
-from ray_velo.state.deadline import Deadline
 from ray_velo.state.fetch import Mode
 
 __all__ = ["ConsumerService"]
@@ -101,7 +101,7 @@ class ConsumerService:
             self.core.check_open()
             self._inflight += 1
         try:
-            deadline = Deadline.start(timeout_s, bound, self.core.clock)
+            deadline = self.core.clock.deadline(timeout_s, bound)
             if writer_rid:
                 return await self._into_writer(handle, mode, deadline, pid, writer_rid, blocking)
             return await self._fetch(handle, mode, deadline, pid, blocking)
@@ -232,10 +232,10 @@ class ConsumerService:
         core.poke()
         return lease_of(core.worker_id, core.node_id, copy, lease.lease_id)
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no fetch runs (shutdown); False if some still did after ``timeout_s``."""
-        with self._inflight_cond:
-            return self._inflight_cond.wait_for(lambda: self._inflight == 0, timeout_s)
+    def wait_idle(self, until: float) -> bool:
+        """Wait until no fetch runs (shutdown); False if some still did at ``until`` on the
+        agent's clock."""
+        return self.core.clock.wait(self._inflight_cond, lambda: self._inflight == 0, until)
 
     @property
     def inflight(self) -> int:
@@ -293,7 +293,7 @@ class ConsumerService:
         for attempt in range(2):
             link = self.peers.link(handle)
             try:
-                return link.call(method, data, Deadline.start(timeout_s), handle)
+                return link.call(method, data, self.core.clock.deadline(timeout_s), handle)
             except OwnerDied:
                 if attempt or not self.peers.forget(link):
                     raise

@@ -4,15 +4,13 @@ GETs, from a thread of its own (docs/architecture.md §14)."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
+from ray_velo.agent.clock import Clock
 from ray_velo.consumer.links import OwnerLink
 from ray_velo.errors import DescriptorError, ProtocolError, UcxError, VeloError
 from ray_velo.protocol import DataHandle, WindowAnswer, WindowRequest, decode, encode
 from ray_velo.protocol.descriptor import RdmaDescriptor
-from ray_velo.state.deadline import Deadline
 
 __all__ = ["WINDOW_CALL_S", "WindowFeed", "written_range"]
 
@@ -31,7 +29,7 @@ class WindowFeed:
         rdma: Any,
         window_bytes: int,
         total_len: int,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock,
     ) -> None:
         """``clock``: the agent's; every ``until`` is on it."""
         self._clock = clock
@@ -101,11 +99,11 @@ class WindowFeed:
                 self._cond.notify_all()
 
     def _call(self, index: int, done: int, until: float) -> Any:
-        left = min(max(until - self._clock(), 0.001), WINDOW_CALL_S)
+        left = min(self._clock.left(until), WINDOW_CALL_S)
         request = WindowRequest(self._handle, self._lease_id, index, done)
         try:
             data = self._link.call(
-                "_rv_window", encode(request), Deadline.start(left), self._handle
+                "_rv_window", encode(request), self._clock.deadline(left), self._handle
             )
             blob = decode(WindowAnswer, data).descriptor
             start = index * self._window_bytes
@@ -124,6 +122,7 @@ def written_range(
     total_len: int,
     index: int,
     left_s: float,
+    clock: Clock,
 ) -> tuple[Any, int]:
     """For a slot its producer is still writing (streamed staging): the checked descriptor
     of its bytes from window ``index`` to as far as they are written (the owner answers
@@ -137,7 +136,7 @@ def written_range(
     request = WindowRequest(handle, lease_id, index, -1)
     try:
         data = link.call(
-            "_rv_window", encode(request), Deadline.start(min(left_s, WINDOW_CALL_S)), handle
+            "_rv_window", encode(request), clock.deadline(min(left_s, WINDOW_CALL_S)), handle
         )
         blob = decode(WindowAnswer, data).descriptor
         length = RdmaDescriptor.decode(blob).length

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
+from ray_velo.agent.clock import Clock
 from ray_velo.errors import DescriptorError, UcxError
 from ray_velo.memory.pool import NoopRegistrar, Registration
 from ray_velo.protocol.descriptor import BACKEND_UCX, RdmaDescriptor
@@ -16,16 +20,39 @@ from ray_velo.ucx.status import UcsStatus
 __all__ = ["FakeClock", "FakeJobs", "FakeRdma"]
 
 
-class FakeClock:
-    """Seconds that pass only when told to. Callable, like ``time.monotonic``."""
+class FakeClock(Clock):
+    """An agent's clock whose seconds pass only when told to (:meth:`advance`)."""
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = start
         self._lock = threading.Lock()
+        super().__init__(self._read)
 
-    def __call__(self) -> float:
+    def _read(self) -> float:
         with self._lock:
             return self._now
+
+    @contextlib.contextmanager
+    def passing(self, rate: float = 1.0) -> Iterator[None]:
+        """Let time pass while the block runs, ``rate`` seconds for each real one: for a call
+        bounded on the agent's clock that the test does not step through (a shutdown with
+        leases nobody ends runs to its bound)."""
+        stop = threading.Event()
+
+        def run() -> None:
+            last = time.monotonic()
+            while not stop.wait(0.01):
+                now = time.monotonic()
+                self.advance((now - last) * rate)
+                last = now
+
+        thread = threading.Thread(target=run, name="ray_velo-fake-clock", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def advance(self, seconds: float) -> float:
         """Move time ``seconds`` forward; returns the new time."""

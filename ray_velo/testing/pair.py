@@ -11,6 +11,7 @@ import numpy as np
 
 from ray_velo.actors.agent import RendezvousAgent
 from ray_velo.actors.faults import FaultPlan
+from ray_velo.agent.clock import Deadline
 from ray_velo.client.payload import as_bytes_view
 from ray_velo.config import (
     RdmaConfig,
@@ -33,7 +34,6 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
-from ray_velo.state.deadline import Deadline
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
 
 __all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]

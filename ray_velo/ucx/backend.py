@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 from ray_velo.config import UcxConfig
@@ -58,8 +58,10 @@ class UcxRdmaBackend:
 
     backend = "ucx"
 
-    def __init__(self, config: UcxConfig) -> None:
+    def __init__(self, config: UcxConfig, clock: Callable[[], float]) -> None:
+        """``clock``: the agent's; an endpoint's idle time is measured on it."""
         self.config = config
+        self._clock = clock
         self.context = UcxContext(dict(config.options))
         try:
             self.worker = UcxWorker(self.context, progress_thread=True, blocking=True)
@@ -120,7 +122,7 @@ class UcxRdmaBackend:
                 raise UcxError(operation="ucp_ep_create", status=-1, status_text="backend closed")
             endpoint = self._endpoints.get(node)
             if endpoint is not None and not endpoint.closed and endpoint.error_status == 0:
-                self._last_used[node] = time.monotonic()
+                self._last_used[node] = self._clock()
                 return endpoint
             address = self._peer_addresses.get(node)
         if address is None:
@@ -135,7 +137,7 @@ class UcxRdmaBackend:
                 return current
             fresh = Endpoint(self.get_worker, address)  # no network I/O: wireup is lazy
             self._endpoints[node] = fresh
-            self._last_used[node] = time.monotonic()
+            self._last_used[node] = self._clock()
         return fresh
 
     # --- owner side --------------------------------------------------------------------
@@ -213,7 +215,7 @@ class UcxRdmaBackend:
                 ),
             )
             with self._lock:
-                self._last_used[node] = time.monotonic()  # the idle clock restarts
+                self._last_used[node] = self._clock()  # the idle clock restarts
                 known = node in self._transports
             if not known:
                 self._record_transports(node, endpoint)

@@ -232,7 +232,7 @@ def test_protocol_imports_neither_ray_nor_ucx() -> None:
     code = (
         "import sys\n"
         "import ray_velo.protocol, ray_velo.memory.allocator\n"
-        "import ray_velo.state.agent, ray_velo.state.fetch, ray_velo.state.deadline\n"
+        "import ray_velo.state.agent, ray_velo.state.fetch\n"
         "import ray_velo.state.progress\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('ray', 'libucx', 'numpy', 'cffi', 'threading_extra') or 'ucx._ucx' in m]\n"

@@ -120,7 +120,7 @@ def test_poke_during_a_tick_is_not_lost(start: Callable[..., Ticker]) -> None:
 def test_stop_joins_the_thread(start: Callable[..., Ticker]) -> None:
     """An agent's shutdown leaves no timer thread behind, even one waiting on a deadline."""
     tick = Recorder(lambda n, now: now + 3600.0)
-    ticker = Ticker(tick, name="ray_velo-test-ticker")
+    ticker = Ticker(tick, name="ray_velo-test-ticker", clock=time.monotonic)
     assert [t.name for t in velo_threads()] == ["ray_velo-test-ticker"]
     ticker.poke()
     tick.wait_for(1)
@@ -135,7 +135,7 @@ def test_stop_joins_the_thread(start: Callable[..., Ticker]) -> None:
 
 
 def test_stop_while_idle_joins_the_thread() -> None:
-    ticker = Ticker(lambda now: None)
+    ticker = Ticker(lambda now: None, clock=time.monotonic)
     ticker.stop()
     assert not ticker.alive
 

@@ -10,6 +10,7 @@ here touches UCX; tests/ucx/test_tcp_defaults_applied.py checks that a real cont
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -129,7 +130,7 @@ def test_the_agents_backend_hands_the_config_options_to_its_context(
     monkeypatch.setattr(backend, "UcxContext", RecordingContext)
     monkeypatch.setattr(backend, "UcxWorker", no_worker)
     with pytest.raises(_Stop):
-        backend.UcxRdmaBackend(UcxConfig(options={TX: "256k", "TLS": "tcp"}))
+        backend.UcxRdmaBackend(UcxConfig(options={TX: "256k", "TLS": "tcp"}), time.monotonic)
     [context] = built
     assert (context.options[TX], context.options[RX]) == ("256k", "128k")
     assert context.options["TLS"] == "tcp"

@@ -331,14 +331,14 @@ def test_tls_files_that_do_not_load_are_a_config_error(tmp_path: Path) -> None:
 def test_the_consumers_owner_link_uses_ray_calls_after_a_fake_owner(loop: LoopThread) -> None:
     """WireOwnerLink to an owner that fails the handshake: it is never called there again
     (the link is disabled: Ray calls from then on) and the refusal is counted."""
+    from ray_velo.agent.clock import Clock
     from ray_velo.consumer.links import WireOwnerLink
-    from ray_velo.state.deadline import Deadline
 
     fake = Owner(loop, secret=os.urandom(32))
     refused: list[str] = []
     link = WireOwnerLink(_NoRay(), fake.address, WireAuth(SECRET, on_refusal=refused.append))  # type: ignore[arg-type]
     try:
-        connected = loop.run(link._connected(Deadline.start(5.0)))
+        connected = loop.run(link._connected(Clock().deadline(5.0)))
         assert connected is False and link.disabled
     finally:
         fake.close()
