@@ -33,7 +33,7 @@ from ray_velo.local.regions import RegionService
 from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segments
 from ray_velo.owner.service import OwnerService
 from ray_velo.protocol import DataHandle, kill_switch_engaged
-from ray_velo.protocol.entry import BY_NAME
+from ray_velo.protocol.entry import BY_NAME, Entry
 from ray_velo.state.fetch import Mode
 from ray_velo.state.owner import OwnerState, RegionSlot
 from ray_velo.ucx.backend import UcxRdmaBackend
@@ -208,7 +208,7 @@ class RendezvousAgent:
         self.peers = PeerDirectory(
             rdma, _find_agent, _node_of_worker, node_id, _wire_address, wire_auth
         )
-        self.consumer = ConsumerService(core, peers or self.peers, owner)
+        self.consumer = ConsumerService(core, peers or self.peers, owner, self.serve)
         if peers is None:
             core.tell_copy_ends = self.peers.tell_copy_ends
         self.jobs = None if jobs is None else JobWatch(jobs)
@@ -393,10 +393,11 @@ class RendezvousAgent:
         declared = BY_NAME.get(name)
         if declared is None:
             raise ValueError(f"unknown entry point {name!r}")
-        target: Any = self
-        for part in declared.serves.split("."):
-            target = getattr(target, part)
-        return target  # type: ignore[no-any-return]
+        return self.serve(declared)
+
+    def serve(self, entry: Entry) -> Callable[..., Any]:
+        """The method that serves ``entry`` here (:meth:`Entry.served_by`)."""
+        return entry.served_by(self)
 
     def ucx_address(self) -> tuple[int, bytes | None]:
         """(worker id, UCX worker address or None without UCX), for peers to wire up."""

@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import secrets
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,7 +28,7 @@ from ray_velo.local.channel import (
     remove_stale_sockets,
     socket_path,
 )
-from ray_velo.protocol.entry import BLOCKING, COROUTINES, QUICK
+from ray_velo.protocol.entry import BY_NAME, Entry
 from ray_velo.protocol.handshake import SECRET_BYTES
 from ray_velo.state.fetch import Mode
 from ray_velo.state.relays import RELAY_DISABLE_ENV
@@ -68,10 +69,23 @@ def agent_name(node_id: str) -> str:
     return f"ray_velo_agent_{node_id}"
 
 
+def _served(stub: Callable[..., Any]) -> Any:
+    """An entry point the plain agent serves: ``stub``'s name is its entry, whose declaration
+    (:mod:`ray_velo.protocol.entry`) says which method of the plain agent serves it, with
+    which arguments, and whether on the event loop or a thread."""
+    entry = BY_NAME[stub.__name__]
+
+    async def serve(self: _RendezvousActor, *args: Any) -> Any:
+        return await self.run(entry, *args)
+
+    return functools.wraps(stub)(serve)
+
+
 class _RendezvousActor:
     """The agent as an asyncio Ray actor.
 
-    The quick entry points (:data:`ray_velo.protocol.entry.QUICK`, a short change of state) run the
+    Each entry point of :mod:`ray_velo.protocol.entry` is a method (:func:`_served`, or a
+    coroutine of its own). The quick ones (``runs="loop"``: a short change of state) run the
     plain agent's method on the event loop, and again on a thread only if they reach a step
     that may block (:mod:`ray_velo.agent.nonblocking`): a thread hop saved each way on the
     transfer's path. The others run on one of :data:`AGENT_THREADS` threads; ``fetch_remote``
@@ -140,15 +154,82 @@ class _RendezvousActor:
     def _wire_refused(self, reason: str) -> None:
         self.agent.core.metrics.wire_auth_failed(reason)
 
+    # --- the entry points the plain agent serves ------------------------------------
+
+    @_served
+    def stage_reserve(self, *args: Any) -> Any: ...
+    @_served
+    def stage_commit(self, *args: Any) -> Any: ...
+    @_served
+    def stage_abort(self, *args: Any) -> Any: ...
+    @_served
+    def stage_written(self, *args: Any) -> Any: ...
+    @_served
+    def local_acquire(self, *args: Any) -> Any: ...
+    @_served
+    def end_lease(self, *args: Any) -> Any: ...
+    @_served
+    def claim_end(self, *args: Any) -> Any: ...
+    @_served
+    def release_quietly(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_metadata(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_acquire(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_ref(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_detach(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_release(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_lease_renew(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_pull(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_window(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_copy(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_relay(self, *args: Any) -> Any: ...
+    @_served
+    def _rv_relay_end(self, *args: Any) -> Any: ...
+    @_served
+    def region_alloc(self, *args: Any) -> Any: ...
+    @_served
+    def region_stage(self, *args: Any) -> Any: ...
+    @_served
+    def region_unregister(self, *args: Any) -> Any: ...
+    @_served
+    def region_deregistered(self, *args: Any) -> Any: ...
+    @_served
+    def route(self, *args: Any) -> Any: ...
+    @_served
+    def ucx_address(self, *args: Any) -> Any: ...
+    @_served
+    def register_peers(self, *args: Any) -> Any: ...
+    @_served
+    def cleanup(self, *args: Any) -> Any: ...
+    @_served
+    def status(self, *args: Any) -> Any: ...
+    @_served
+    def inject_fault(self, *args: Any) -> Any: ...
+
+    async def run(self, entry: Entry, *args: Any) -> Any:
+        """Run ``entry`` on the plain agent: on the event loop when it may, else a thread."""
+        method = self.agent.serve(entry)
+        if entry.runs == "loop":
+            return await self.quick(method, *args)
+        return await self.blocking(method, *args)
+
     async def _wire_call(self, method: str, message: bytes) -> Any:
-        return await self.quick(self.agent.entry(method), message)
+        return await self.run(BY_NAME[method], message)  # the server decoded a wire method
 
     async def _channel_call(self, method: str, args: tuple[Any, ...]) -> Any:
-        if method in COROUTINES:
+        entry = BY_NAME[method]  # the socket carries only its entries
+        if entry.runs == "coroutine":
             return await getattr(self, method)(*args)
-        if method in QUICK:
-            return await self.quick(self.agent.entry(method), *args)
-        return await self.blocking(self.agent.entry(method), *args)
+        return await self.run(entry, *args)
 
     async def info(self) -> dict[str, Any]:
         """The agent's identity and counters, and the path of its socket ("": none)."""
@@ -249,26 +330,6 @@ def _logged(work: Any) -> None:
     except Exception:  # nobody waits for it: say so here
         _log.exception("ray_velo: a deferred free failed")
 
-
-def _delegate(name: str, quick: bool) -> Any:
-    if quick:
-
-        async def call(self: _RendezvousActor, *args: Any) -> Any:
-            return await self.quick(self.agent.entry(name), *args)
-
-    else:
-
-        async def call(self: _RendezvousActor, *args: Any) -> Any:
-            return await self.blocking(self.agent.entry(name), *args)
-
-    call.__name__ = call.__qualname__ = name
-    return call
-
-
-for _name in BLOCKING:
-    setattr(_RendezvousActor, _name, _delegate(_name, quick=False))
-for _name in QUICK:
-    setattr(_RendezvousActor, _name, _delegate(_name, quick=True))
 
 RendezvousActor: Any = ray.remote(num_cpus=0, max_concurrency=AGENT_MAX_CONCURRENCY)(  # type: ignore[call-overload]
     _RendezvousActor

@@ -40,6 +40,7 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.protocol.entry import RV_DETACH, RV_METADATA, RV_REF, RV_RELEASE, Entry
 
 __all__ = [
     "PinnedBuf",
@@ -305,31 +306,31 @@ def fetch(
     return session.read(session.lease(handle, "release" if release else "detach", timeout), target)
 
 
-def _owner_call(handle: DataHandle, method: str, message: Any) -> Any:
-    """Run owner handler ``method`` on ``handle``'s owner, through this node's agent (over
-    its socket: a release costs no more than a put)."""
-    return session.current().call("route", handle, method, encode(message), None)
+def _owner_call(handle: DataHandle, handler: Entry, message: Any) -> Any:
+    """Run owner ``handler`` on ``handle``'s owner, through this node's agent (over its
+    socket: a release costs no more than a put)."""
+    return session.current().route(handle, handler, encode(message))
 
 
 def metadata(handle: DataHandle) -> HandleMetadata:
     """Size (bytes), refcount and pinned of ``handle``. Takes no lock."""
-    answer = decode(MetadataResponse, _owner_call(handle, "_rv_metadata", MetadataRequest(handle)))
+    answer = decode(MetadataResponse, _owner_call(handle, RV_METADATA, MetadataRequest(handle)))
     return HandleMetadata(answer.size, answer.refcount, answer.pinned)
 
 
 def ref_handle(handle: DataHandle) -> int:
     """Add one reference, for one more consumer. Returns the new refcount."""
-    return int(_owner_call(handle, "_rv_ref", RefRequest(handle)))
+    return int(_owner_call(handle, RV_REF, RefRequest(handle)))
 
 
 def detach(handle: DataHandle, lease_id: int) -> None:
     """Drop the read lock of ``get``/``get_pinned``/``get_into``; the handle stays usable."""
-    _owner_call(handle, "_rv_detach", DetachRequest(handle, lease_id))
+    _owner_call(handle, RV_DETACH, DetachRequest(handle, lease_id))
 
 
 def release(handle: DataHandle, lease_id: int) -> None:
     """Drop the read lock and one reference; the owner ends the handle at zero."""
-    _owner_call(handle, "_rv_release", ReleaseRequest(handle, lease_id))
+    _owner_call(handle, RV_RELEASE, ReleaseRequest(handle, lease_id))
 
 
 def _held_lease(handle: DataHandle, timeout: float | None) -> tuple[LocalLease, int]:
@@ -394,7 +395,7 @@ def get_pinned(handle: DataHandle, *, timeout: float | None = None) -> tuple[Pin
     else:
         # Same node: the caller's lease is the owner's, ended by detach/release; the view
         # holds a lease of its own so the memory outlives it whatever the caller does.
-        own = session.current().call("local_acquire", handle, os.getpid(), "detach")
+        own = session.current().local_acquire(handle, "detach")
         array = session.leased_array(own)
     return PinnedBuf(array, local.type_header), lease_id
 

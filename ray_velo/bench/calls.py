@@ -37,11 +37,12 @@ def _wire_call(address: str, message: bytes) -> Any:
     """One request on the owner's TCP wire, as an agent's link sends it (a fresh socket is
     opened once per measurement and authenticated, as the link keeps one open)."""
     from ray_velo.actors.directory import wire_secret
+    from ray_velo.protocol.entry import RV_METADATA
     from ray_velo.protocol.frames import HEADER, decode_answer, encode_request
     from ray_velo.wire.auth import WireAuth
 
     sock = WireAuth.from_environment(wire_secret()).connect_blocking(address, 30.0)
-    request = encode_request("_rv_metadata", 1, message)
+    request = encode_request(RV_METADATA.name, 1, message)
 
     def once() -> Any:
         sock.sendall(request)
@@ -66,16 +67,16 @@ def _own_calls(reps: int) -> dict[str, float]:
     local = rv.put(bytes(CALL_PAYLOAD_BYTES))
 
     def reserve(over_socket: bool) -> None:
-        args = (CALL_PAYLOAD_BYTES, True, pid)
         if over_socket:
-            r = s.call("stage_reserve", *args)
+            r = s.stage_reserve(CALL_PAYLOAD_BYTES, True, True)
         else:
-            r = ray.get(s.agent.stage_reserve.remote(*args))
+            r = ray.get(s.agent.stage_reserve.remote(CALL_PAYLOAD_BYTES, True, pid, True))
+        assert r is not None, "a pinned reservation is never refused"
         s.agent.stage_abort.remote(r.reservation_id)
 
     def acquire(over_socket: bool) -> None:
         if over_socket:
-            lease = s.call("local_acquire", local, pid, "detach")
+            lease = s.local_acquire(local, "detach")
         else:
             lease = ray.get(s.agent.local_acquire.remote(local, pid, "detach"))
         s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
@@ -104,11 +105,11 @@ def _remote_calls(handles: list[Any], owner: Any, wire: str, reps: int) -> dict[
     spare = iter(handles)
 
     def fetch(over_socket: bool) -> None:
-        args = (next(spare), "release", None, pid, "unbounded")
+        handle = next(spare)
         if over_socket:
-            lease = s.call("fetch_remote", *args)
+            lease = s.fetch_remote(handle, "release", None, "unbounded", 0, timeout_s=None)
         else:
-            lease = ray.get(s.agent.fetch_remote.remote(*args))
+            lease = ray.get(s.agent.fetch_remote.remote(handle, "release", None, pid, "unbounded"))
         s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
 
     message = encode(MetadataRequest(handles[-1]))

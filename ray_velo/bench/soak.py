@@ -172,6 +172,7 @@ def run_soak(
 
     import ray_velo as rv
     from ray_velo.actors import alive_node_ids, ensure_agents
+    from ray_velo.client import session
 
     result = SoakResult(minutes=minutes, consumers=consumers, slack=slack or Slack())
     cluster = None
@@ -190,7 +191,7 @@ def run_soak(
         nodes = alive_node_ids()
         if len(nodes) < 2:
             raise RuntimeError(f"the soak needs two nodes, the cluster has {len(nodes)}")
-        agents = {n: a for n, a in ensure_agents(rv.session.current().config).items()
+        agents = {n: a for n, a in ensure_agents(session.current().config).items()
                   if n in nodes[:2]}  # fmt: skip
         before = _paths(agents)
         _traffic(result, nodes[0], nodes[1], agents, minutes, consumers, seed, progress)

@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import ray
@@ -23,10 +23,24 @@ from ray_velo.agent.calls import clear_ray_frames, wait
 from ray_velo.client.payload import as_bytes_view, from_bytes_view
 from ray_velo.config import VeloConfig, check_lifetime
 from ray_velo.errors import AgentDied, ConfigError, NotInitialized, TransferTimeout
-from ray_velo.local.channel import CHANNEL_METHODS, AgentChannel, ChannelFull
+from ray_velo.local.channel import AgentChannel, ChannelFull
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.memory.arena import SegmentMap
 from ray_velo.protocol import DataHandle, TypeHeader
+from ray_velo.protocol.entry import (
+    CLAIM_END,
+    END_LEASE,
+    FETCH_INTO_WRITER,
+    FETCH_REMOTE,
+    LOCAL_ACQUIRE,
+    RELEASE_QUIETLY,
+    ROUTE,
+    STAGE_ABORT,
+    STAGE_COMMIT,
+    STAGE_RESERVE,
+    STAGE_WRITTEN,
+    Entry,
+)  # fmt: skip
 
 __all__ = [
     "AGENT_SLACK_S",
@@ -72,30 +86,77 @@ class Session:
     #: The agent's socket for the calls a caller waits for; None: Ray calls only.
     channel: AgentChannel | None = None
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Run the agent's ``method(*args)`` and wait for it, within ``timeout_s``: over the
-        agent's socket for :data:`~ray_velo.local.channel.CHANNEL_METHODS` when it has one,
-        else as a Ray call. Raises what the agent raised; AgentDied (the session forgotten)
-        when the agent is gone."""
-        if self.channel is not None and method in CHANNEL_METHODS:
+    # --- the agent's entry points a process calls (ray_velo/protocol/entry.py) -----------
+
+    def stage_reserve(self, nbytes: int, pinned: bool, may_map: bool) -> Reservation | None:
+        return cast(
+            Reservation | None, self._call(STAGE_RESERVE, nbytes, pinned, os.getpid(), may_map)
+        )
+
+    def stage_commit(self, reservation_id: int, *terms: Any) -> None:
+        self._notify(STAGE_COMMIT, reservation_id, *terms)
+
+    def stage_abort(self, reservation_id: int) -> None:
+        self._notify(STAGE_ABORT, reservation_id)
+
+    def stage_written(self, handle: DataHandle, upto: int) -> None:
+        self._notify(STAGE_WRITTEN, handle, upto)
+
+    def local_acquire(self, handle: DataHandle, mode: str) -> LocalLease:
+        return cast(LocalLease, self._call(LOCAL_ACQUIRE, handle, os.getpid(), mode))
+
+    def end_lease(self, handle: DataHandle, lease_id: int, release: bool) -> None:
+        self._notify(END_LEASE, handle, lease_id, release)
+
+    def fetch_remote(
+        self, handle: DataHandle, mode: str, bound: float | None, which: str, into: int, *,
+        timeout_s: float | None,
+    ) -> LocalLease:  # fmt: skip
+        args = (handle, mode, bound, os.getpid(), which, into)
+        return cast(LocalLease, self._call(FETCH_REMOTE, *args, timeout_s=timeout_s))
+
+    def fetch_into_writer(
+        self, handle: DataHandle, bound: float | None, which: str, nbytes: int, mode: str, *,
+        timeout_s: float | None,
+    ) -> tuple[Reservation, Any]:  # fmt: skip
+        args = (handle, bound, os.getpid(), which, nbytes, mode)
+        return cast(
+            tuple[Reservation, Any], self._call(FETCH_INTO_WRITER, *args, timeout_s=timeout_s)
+        )
+
+    def claim_end(self, handle: DataHandle, consume: bool) -> None:
+        self._notify(CLAIM_END, handle, consume, os.getpid())
+
+    def release_quietly(self, handle: DataHandle) -> None:
+        self._notify(RELEASE_QUIETLY, handle)
+
+    def route(self, handle: DataHandle, handler: Entry, message: bytes) -> Any:
+        """Owner ``handler`` on ``handle``'s owner, through this node's agent."""
+        return self._call(ROUTE, handle, handler.name, message, None)
+
+    def _call(self, entry: Entry, *args: Any, timeout_s: float | None = None) -> Any:
+        """Run ``entry`` on the agent and wait for it, within ``timeout_s``: over the agent's
+        socket when it carries the entry and the agent has one, else as a Ray call. Raises
+        what the agent raised; AgentDied (the session forgotten) when the agent is gone."""
+        if self.channel is not None and entry.socket == "call":
             try:
-                return self.channel.call(method, args, timeout_s, lambda: _no_answer(timeout_s))
+                return self.channel.call(entry.name, args, timeout_s, lambda: _no_answer(timeout_s))
             except ChannelFull:
                 pass  # this process holds as many connections as it may: a Ray call
             except AgentDied:
                 forget()
                 raise
-        return call(getattr(self.agent, method).remote(*args), timeout_s)
+        return call(getattr(self.agent, entry.name).remote(*args), timeout_s)
 
-    def notify(self, method: str, *args: Any) -> None:
-        """Run the agent's ``method(*args)`` without waiting (a commit, a lease end): over
-        its socket when it has one, else as a Ray call. Never raises: nobody is there to
-        tell, and the agent reaps what a lost notice leaves (dead readers' leases,
-        uncommitted reservations of dead producers)."""
-        if self.channel is not None and self.channel.notify(method, args):
+    def _notify(self, entry: Entry, *args: Any) -> None:
+        """Run ``entry`` on the agent without waiting (a commit, a lease end): over its socket
+        when it has one, else as a Ray call. Never raises: nobody is there to tell, and the
+        agent reaps what a lost notice leaves (dead readers' leases, uncommitted
+        reservations of dead producers)."""
+        if self.channel is not None and self.channel.notify(entry.name, args):
             return
         with contextlib.suppress(Exception):
-            getattr(self.agent, method).remote(*args)
+            getattr(self.agent, entry.name).remote(*args)
 
 
 _lock = threading.Lock()
@@ -341,7 +402,7 @@ def stage_packed(
         del into, dest
         commit(session, reservation, header, ttl, consumers, follow_producer, job)
     except BaseException:
-        session.notify("stage_abort", reservation.reservation_id)
+        session.stage_abort(reservation.reservation_id)
         raise
     return reservation.handle, offsets
 
@@ -417,13 +478,13 @@ def _write_streamed(
                 copy_into(into[offset + at : offset + end], data[at:end])
                 if offset + end - told >= step:
                     told = offset + end
-                    session.notify("stage_written", handle, told)
+                    session.stage_written(handle, told)
             written = offset + data.nbytes
         into[written:] = 0
         if told < into.nbytes:
-            session.notify("stage_written", handle, into.nbytes)
+            session.stage_written(handle, into.nbytes)
     except BaseException:
-        session.notify("stage_written", handle, -1)
+        session.stage_written(handle, -1)
         raise
 
 
@@ -466,7 +527,7 @@ def _stage(
             del dest
         commit(session, reservation, header, ttl, consumers, follow_producer, job)
     except BaseException:
-        session.notify("stage_abort", reservation.reservation_id)
+        session.stage_abort(reservation.reservation_id)
         raise
     return reservation.handle
 
@@ -508,7 +569,7 @@ def reserve(nbytes: int, pinned: bool, may_map: bool = True) -> tuple[Session, R
 
     def attempt() -> tuple[Session, Reservation | None]:
         session = current()
-        return session, session.call("stage_reserve", nbytes, pinned, os.getpid(), may_map)
+        return session, session.stage_reserve(nbytes, pinned, may_map)
 
     return retrying_dead_agent(attempt)
 
@@ -526,8 +587,7 @@ def commit(
     """Turn a written reservation into a slot with ``consumers`` references; not waited for
     (a call that names the handle before the commit lands waits for it on the agent).
     ``writing``: the bytes are written after the commit (:func:`stage_streamed`)."""
-    session.notify(
-        "stage_commit",
+    session.stage_commit(
         reservation.reservation_id, reservation.nbytes, header, ttl, consumers, follow_producer,
         job.job, job.detached, writing,
     )  # fmt: skip
@@ -581,12 +641,9 @@ def _lease_once(
 ) -> LocalLease:
     session = current()
     if handle.worker_id == session.worker_id and not writer_reservation:
-        return session.call("local_acquire", handle, os.getpid(), mode)  # type: ignore[no-any-return]
+        return session.local_acquire(handle, mode)
     bound, which, wait_s = _fetch_wait(timeout, session.config)
-    return session.call(  # type: ignore[no-any-return]
-        "fetch_remote", handle, mode, bound, os.getpid(), which, writer_reservation,
-        timeout_s=wait_s,
-    )  # fmt: skip
+    return session.fetch_remote(handle, mode, bound, which, writer_reservation, timeout_s=wait_s)
 
 
 def fetch_into_writer(
@@ -600,15 +657,8 @@ def fetch_into_writer(
     def attempt() -> tuple[Session, Reservation]:
         session = current()
         bound, which, wait_s = _fetch_wait(timeout, session.config)
-        reservation, _ = session.call(
-            "fetch_into_writer",
-            handle,
-            bound,
-            os.getpid(),
-            which,
-            nbytes,
-            mode,
-            timeout_s=wait_s,
+        reservation, _ = session.fetch_into_writer(
+            handle, bound, which, nbytes, mode, timeout_s=wait_s
         )
         return session, reservation
 
@@ -638,7 +688,7 @@ class _LeasedBytes:
 def end_lease(session: Session, handle: DataHandle, lease_id: int, release: bool = False) -> None:
     """End a local lease without waiting. Interpreter or Ray shutting down: the agent reaps
     the leases of dead readers."""
-    session.notify("end_lease", handle, lease_id, release)
+    session.end_lease(handle, lease_id, release)
 
 
 def segment_view(session: Session, path: str, offset: int, nbytes: int) -> memoryview:
@@ -681,10 +731,10 @@ def claim_end(handle: DataHandle, consume: bool) -> None:
     """This process is done with its claim on ``handle`` (a transparent resolution):
     ``consume`` it, or give it back for a retry. Not waited for."""
     with contextlib.suppress(Exception):  # current() itself may fail at interpreter exit
-        current().notify("claim_end", handle, consume, os.getpid())
+        current().claim_end(handle, consume)
 
 
 def release_soon(handle: DataHandle) -> None:
     """Drop one reference on ``handle`` without waiting for the owner's answer (an error
     here would have nobody to tell)."""
-    current().notify("release_quietly", handle)
+    current().release_quietly(handle)

@@ -43,9 +43,7 @@ class _ReservationBytes:
             "typestr": "|u1",
             "version": 3,
         }
-        self._finalizer = weakref.finalize(
-            self, state.notify, "stage_abort", reservation.reservation_id
-        )
+        self._finalizer = weakref.finalize(self, state.stage_abort, reservation.reservation_id)
         self._finalizer.atexit = False  # the agent reaps a dead producer's reservations
 
 

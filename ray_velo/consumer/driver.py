@@ -38,6 +38,7 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.descriptor import RdmaDescriptor
+from ray_velo.protocol.entry import RV_COPY, RV_DETACH, RV_LEASE_RENEW, RV_RELEASE, RV_WINDOW
 from ray_velo.state.fetch import (
     Acquire,
     Allocate,
@@ -151,7 +152,7 @@ class LeaseRenewals:
                     self._cond.release()  # never send under the lock
                     try:
                         for link, message in sends:
-                            link.send("_rv_lease_renew", message)
+                            link.send(RV_LEASE_RENEW, message)
                     finally:
                         self._cond.acquire()
                     continue
@@ -357,7 +358,7 @@ class _Run:
         # A copy nobody else can claim a reference for is neither kept nor relayed.
         wanted = answer.announce and answer.unclaimed != 0
         if wanted and self.dest.windows is not None:  # plain: no other node can GET it
-            self.link.send("_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id))
+            self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
             wanted = False
         lent: Relay | None = None
         if wanted and self.dest.fid is not None and self.machine.mode != "hold":
@@ -372,9 +373,7 @@ class _Run:
                 )
             relayed = lent is not None
             if not relayed:  # an older copy here still has readers: nobody reads this one
-                self.link.send(
-                    "_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id)
-                )
+                self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
         def get_range(
@@ -400,9 +399,7 @@ class _Run:
                 )
         except BaseException:
             if relayed and lent is None:  # the owner must not point anyone else at it
-                self.link.send(
-                    "_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id)
-                )
+                self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
             raise
         finally:
             if lent is not None:
@@ -417,7 +414,7 @@ class _Run:
         core, state = self.core, self.core.consumer_state
         with core.lock:
             state.relay_seal(relay)
-        self.link.send("_rv_copy", copy_gone_notice(self.handle, core.node_id, core.worker_id))
+        self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
         done = core.wait_until(
             lambda: not state.relay_reading(relay, core.clock()),
             core.clock() + LENT_READERS_WAIT_S,
@@ -448,7 +445,7 @@ class _Run:
         buffer = self.dest.buffer
         done = read_relay(self.core, link, (self.handle, node), buffer, until, get_range)
         if done < answer.total_len:
-            self.link.send("_rv_copy", copy_gone_notice(self.handle, node, worker))
+            self.link.send(RV_COPY, copy_gone_notice(self.handle, node, worker))
         if done:
             self.core.metrics.relayed()
         return done
@@ -475,7 +472,7 @@ class _Run:
                 )  # fmt: skip
         if self.machine.mode == "hold":  # the lease stays: its windows need not
             done = WindowRequest(self.handle, answer.lease_id, -1, count - 1)
-            self.link.send("_rv_window", encode(done))
+            self.link.send(RV_WINDOW, encode(done))
 
     def _get_written(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
         """GET bytes ``[start, total_len)`` of a slot its producer is still writing, all
@@ -549,9 +546,9 @@ class _Run:
             core.metrics.path(instruction.path, instruction.reason)
         elif isinstance(instruction, EndLease):
             cls = ReleaseRequest if instruction.release else DetachRequest
-            method = "_rv_release" if instruction.release else "_rv_detach"
+            entry = RV_RELEASE if instruction.release else RV_DETACH
             message = cls(self.handle, instruction.lease_id, claim=instruction.claim)
-            self.link.send(method, encode(message))
+            self.link.send(entry, encode(message))
         elif isinstance(instruction, GiveBack):
             fid, self.dest = self.dest.fid, _Destination()
             assert fid is not None

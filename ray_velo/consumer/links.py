@@ -22,7 +22,8 @@ from ray_velo.protocol import (
     decode_acquire_response,
     encode,
 )
-from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
+from ray_velo.protocol.entry import RV_ACQUIRE, RV_PULL, Entry
+from ray_velo.protocol.frames import HEADER, decode_answer, encode_request
 from ray_velo.wire.auth import WireAuth
 
 __all__ = [
@@ -47,8 +48,8 @@ class OwnerLink(Protocol):
 
     node: str
 
-    def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
-        """Run handler ``method`` on the owner and wait for its answer within ``deadline``.
+    def call(self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+        """Run the owner's handler ``entry`` and wait for its answer within ``deadline``.
 
         Raises:
             OwnerDied: the owner (or its node) is gone.
@@ -57,12 +58,12 @@ class OwnerLink(Protocol):
         """
         ...
 
-    def send(self, method: str, message: bytes) -> None:
-        """Run handler ``method`` without waiting (lease ends, renewals); never raises."""
+    def send(self, entry: Entry, message: bytes) -> None:
+        """Run the owner's handler ``entry`` without waiting (lease ends, renewals); never raises."""
         ...
 
     async def call_async(
-        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+        self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle
     ) -> Any:
         """:meth:`call`, awaited: the waiting holds no thread."""
         ...
@@ -87,7 +88,7 @@ class OwnerLink(Protocol):
 
 async def acquire(link: OwnerLink, request: AcquireRequest, deadline: Deadline) -> Ready | Rdma:
     """``_rv_acquire`` on ``link``, its answer decoded."""
-    data = await link.call_async("_rv_acquire", encode(request), deadline, request.handle)
+    data = await link.call_async(RV_ACQUIRE, encode(request), deadline, request.handle)
     return decode_acquire_response(data)
 
 
@@ -114,10 +115,10 @@ class RayOwnerLink:
         self.actor = actor
         self.node = node
 
-    def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+    def call(self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
         from ray_velo.agent.calls import wait
 
-        ref = getattr(self.actor, method).remote(message)
+        ref = getattr(self.actor, entry.name).remote(message)
         return wait(
             ref,
             deadline.remaining(),
@@ -128,9 +129,9 @@ class RayOwnerLink:
             cancel=True,
         )
 
-    def send(self, method: str, message: bytes) -> None:
+    def send(self, entry: Entry, message: bytes) -> None:
         try:
-            getattr(self.actor, method).remote(message)
+            getattr(self.actor, entry.name).remote(message)
         except Exception:  # the owner may be gone; the fetch says so elsewhere
             return
 
@@ -149,12 +150,12 @@ class RayOwnerLink:
         return int(worker_id), address
 
     async def call_async(
-        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+        self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle
     ) -> Any:
         from ray_velo.agent.calls import wait_async
 
         return await wait_async(
-            lambda: getattr(self.actor, method).remote(message),
+            lambda: getattr(self.actor, entry.name).remote(message),
             deadline.remaining,
             peer="owner",
             on_timeout=lambda: deadline.timeout_error(handle),
@@ -180,7 +181,7 @@ class RayOwnerLink:
 
         async def one(index: int) -> Any:
             message = encode(PullRequest(answer.transfer_id, index))
-            return await self.call_async("_rv_pull", message, deadline, handle)
+            return await self.call_async(RV_PULL, message, deadline, handle)
 
         try:
             while next_index < answer.chunk_count or pending:
@@ -225,24 +226,24 @@ class WireOwnerLink:
         self._ids = itertools.count(1)
         self._reading: asyncio.Future[None] | None = None
 
-    def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+    def call(self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
         """Over the connection when it is open and this is not its loop's thread (an agent
         thread in a GET asking for windows), else a Ray call."""
         loop = self._loop
-        if method in WIRE_METHODS and self._writer is not None and loop is not None:
+        if entry.wire is not None and self._writer is not None and loop is not None:
             try:
                 running = asyncio.get_running_loop()
             except RuntimeError:
                 running = None
             if running is not loop and not loop.is_closed():
-                call = self.call_async(method, message, deadline, handle)
+                call = self.call_async(entry, message, deadline, handle)
                 try:
                     future = asyncio.run_coroutine_threadsafe(call, loop)
                 except RuntimeError:  # the loop closed meanwhile
                     call.close()
                 else:
                     return future.result()
-        return self.ray.call(method, message, deadline, handle)
+        return self.ray.call(entry, message, deadline, handle)
 
     def ucx_address(self, deadline: Deadline) -> tuple[int, bytes | None]:
         return self.ray.ucx_address(deadline)
@@ -258,36 +259,36 @@ class WireOwnerLink:
     ) -> None:
         await self.ray.pull(answer, dest, in_flight, deadline, handle, blocking)
 
-    def send(self, method: str, message: bytes) -> None:
+    def send(self, entry: Entry, message: bytes) -> None:
         loop, writer = self._loop, self._writer
-        if method not in WIRE_METHODS or loop is None or writer is None or loop.is_closed():
-            self.ray.send(method, message)
+        if entry.wire is None or loop is None or writer is None or loop.is_closed():
+            self.ray.send(entry, message)
             return
-        frame = encode_request(method, 0, message)
+        frame = encode_request(entry.name, 0, message)
         try:
-            loop.call_soon_threadsafe(self._write_or_ray, writer, frame, method, message)
+            loop.call_soon_threadsafe(self._write_or_ray, writer, frame, entry, message)
         except RuntimeError:  # the loop closed meanwhile
-            self.ray.send(method, message)
+            self.ray.send(entry, message)
 
     def _write_or_ray(
-        self, writer: asyncio.StreamWriter, frame: bytes, method: str, message: bytes
+        self, writer: asyncio.StreamWriter, frame: bytes, entry: Entry, message: bytes
     ) -> None:
         if writer.is_closing():
-            self.ray.send(method, message)
+            self.ray.send(entry, message)
         else:
             writer.write(frame)
 
     async def call_async(
-        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+        self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle
     ) -> Any:
-        if method not in WIRE_METHODS or not await self._connected(deadline):
-            return await self.ray.call_async(method, message, deadline, handle)
+        if entry.wire is None or not await self._connected(deadline):
+            return await self.ray.call_async(entry, message, deadline, handle)
         assert self._writer is not None
         call_id = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._pending[call_id] = answer
         try:
-            self._writer.write(encode_request(method, call_id, message))
+            self._writer.write(encode_request(entry.name, call_id, message))
             ok, value = await asyncio.wait_for(answer, deadline.remaining())
         except asyncio.TimeoutError:
             raise deadline.timeout_error(handle) from None

@@ -12,6 +12,7 @@ from ray_velo.consumer.links import OwnerLink, RayOwnerLink, WireOwnerLink
 from ray_velo.consumer.relay import RelayLink, copy_gone_notice
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.protocol import DataHandle
+from ray_velo.protocol.entry import RV_COPY
 from ray_velo.wire.auth import WireAuth
 
 __all__ = ["PeerDirectory", "Peers"]
@@ -167,7 +168,7 @@ class PeerDirectory:
             link = RelayLink(address, self._wire_auth)
             try:
                 for handle in handles:
-                    link.notify("_rv_copy", copy_gone_notice(handle, node, worker), 2.0)
+                    link.notify(RV_COPY, copy_gone_notice(handle, node, worker), 2.0)
             except (OSError, VeloError):  # gone, or not an agent of this cluster
                 pass
             finally:

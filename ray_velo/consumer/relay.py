@@ -21,6 +21,7 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.protocol.entry import RV_RELAY, RV_RELAY_END, Entry
 from ray_velo.protocol.frames import HEADER, MAX_FRAME_BYTES, decode_answer, encode_request
 from ray_velo.state.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
 from ray_velo.wire.auth import WireAuth
@@ -112,14 +113,14 @@ class RelayLink:
         self._sock: socket.socket | None = None
         self._ids = 0
 
-    def call(self, method: str, message: bytes, timeout_s: float) -> Any:
-        """Run ``method`` there and return its answer. Raises what it raised (a VeloError),
+    def call(self, entry: Entry, message: bytes, timeout_s: float) -> Any:
+        """Run ``entry`` there and return its answer. Raises what it raised (a VeloError),
         OSError when the connection fails, WireAuthError when that agent fails the
         handshake, ProtocolError for a malformed answer."""
         sock = self._connected(timeout_s)
         sock.settimeout(timeout_s)
         self._ids += 1
-        sock.sendall(encode_request(method, self._ids, message))
+        sock.sendall(encode_request(entry.name, self._ids, message))
         while True:
             length, status, call_id = HEADER.unpack(_read(sock, HEADER.size))
             if not HEADER.size - 4 <= length <= MAX_FRAME_BYTES:
@@ -132,17 +133,17 @@ class RelayLink:
             raise value
         return value
 
-    def notify(self, method: str, message: bytes, timeout_s: float) -> None:
-        """Run ``method`` there without an answer, connecting first if need be. Raises
+    def notify(self, entry: Entry, message: bytes, timeout_s: float) -> None:
+        """Run ``entry`` there without an answer, connecting first if need be. Raises
         OSError when the agent cannot be reached, WireAuthError when it fails the
         handshake."""
-        self._connected(timeout_s).sendall(encode_request(method, 0, message))
+        self._connected(timeout_s).sendall(encode_request(entry.name, 0, message))
 
-    def send(self, method: str, message: bytes) -> None:
-        """Run ``method`` there without an answer on the open connection (never raises)."""
+    def send(self, entry: Entry, message: bytes) -> None:
+        """Run ``entry`` there without an answer on the open connection (never raises)."""
         try:
             if self._sock is not None:
-                self._sock.sendall(encode_request(method, 0, message))
+                self._sock.sendall(encode_request(entry.name, 0, message))
         except OSError:
             pass
 
@@ -190,7 +191,7 @@ def read_relay(
     try:
         wait_s = min(RELAY_WAIT_S + _ANSWER_S, core.clock.left(until))
         request = RelayRequest(handle, 0, min(total, RELAY_PIECE_BYTES))
-        progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
+        progress = decode(RelayProgress, link.call(RV_RELAY, encode(request), wait_s))
         lease_id = progress.lease_id
         descriptor = core.ucx().decode(progress.descriptor, total)
         piece_s = max(progress.lease_timeout_ms / 2000, 0.001)  # within the relay lease
@@ -202,7 +203,7 @@ def read_relay(
             if done >= total:
                 return done
             request = RelayRequest(handle, lease_id, min(total, done + RELAY_PIECE_BYTES))
-            progress = decode(RelayProgress, link.call("_rv_relay", encode(request), wait_s))
+            progress = decode(RelayProgress, link.call(RV_RELAY, encode(request), wait_s))
     except UcxError as exc:
         if exc.fields.get("destination_unsafe"):
             raise
@@ -211,7 +212,7 @@ def read_relay(
         _log.info("ray_velo: the copy of %s on %s cannot serve: %s", handle, node, exc)
     finally:
         if lease_id:
-            link.send("_rv_relay_end", encode(RelayEnd(handle, lease_id)))
+            link.send(RV_RELAY_END, encode(RelayEnd(handle, lease_id)))
         link.close()
     return done
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ray_velo.agent import nonblocking
@@ -19,7 +20,7 @@ from ray_velo.consumer.relay import RelayServer
 from ray_velo.errors import HandleNotFound, LeaseNotFound, OwnerDied, StagingError
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.memory.pool import Placement
-from ray_velo.owner.service import HANDLERS, OwnerService
+from ray_velo.owner.service import OwnerService
 from ray_velo.protocol import (
     AcquireRequest,
     CopyNotice,
@@ -29,6 +30,7 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.protocol.entry import BY_NAME, RV_DETACH, RV_RELEASE, Entry
 from ray_velo.state.fetch import Mode
 
 __all__ = ["ConsumerService"]
@@ -39,10 +41,14 @@ _MODES = ("release", "detach", "hold", "claim")
 class ConsumerService:
     """Fetches, copies, claims and routing of one agent."""
 
-    def __init__(self, core: AgentCore, peers: Peers, owner: OwnerService) -> None:
+    def __init__(
+        self, core: AgentCore, peers: Peers, owner: OwnerService, serve: Callable[[Entry], Any]
+    ) -> None:
         self.core = core
         self.peers = peers
         self.owner = owner
+        #: The agent's resolver of entry points (its own owner's handlers, for its own handles).
+        self.serve = serve
         self.driver = FetchDriver(core, peers)
         #: Serves this node's copies to other nodes' agents (``_rv_relay``).
         self.relays = RelayServer(
@@ -220,9 +226,9 @@ class ConsumerService:
                     core.consumer_state.copy_ended(handle, core.clock(), fx)
             raise
         if mode == "release":
-            link.send("_rv_release", encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
+            link.send(RV_RELEASE, encode(ReleaseRequest(handle, answer.lease_id, claim=True)))
         else:
-            link.send("_rv_detach", encode(DetachRequest(handle, answer.lease_id)))
+            link.send(RV_DETACH, encode(DetachRequest(handle, answer.lease_id)))
         with core.changing() as fx:
             if mode == "claim":
                 core.consumer_state.claim_held(pid, handle)
@@ -271,29 +277,36 @@ class ConsumerService:
             self._end_claim(handle, consume=False)
 
     def _end_claim(self, handle: DataHandle, consume: bool) -> None:
-        method = "_rv_release" if consume else "_rv_detach"
+        entry = RV_RELEASE if consume else RV_DETACH
         cls = ReleaseRequest if consume else DetachRequest
         message = encode(cls(handle, 0, claim=True))
         if handle.worker_id == self.core.worker_id:
             with contextlib.suppress(HandleNotFound, LeaseNotFound):
-                self.owner.handle(method, message)
+                self.serve(entry)(message)
             return
         with contextlib.suppress(HandleNotFound, OwnerDied):
-            self.peers.link(handle).send(method, message)
+            self.peers.link(handle).send(entry, message)
 
     # --- routing ---------------------------------------------------------------------
 
     def route(self, handle: DataHandle, method: str, data: bytes, timeout_s: float | None) -> Any:
-        """Run one of the seven handlers on ``handle``'s owner (this agent or a peer)."""
-        if method not in HANDLERS:
+        """The ``route`` entry: a process's call of the owner's handler named ``method``."""
+        entry = BY_NAME.get(method)
+        if entry is None or not entry.owner:
             raise ValueError(f"unknown handler {method!r}")
+        return self.to_owner(handle, entry, data, timeout_s)
+
+    def to_owner(
+        self, handle: DataHandle, entry: Entry, data: bytes, timeout_s: float | None
+    ) -> Any:
+        """Run the owner's handler ``entry`` on ``handle``'s owner (this agent or a peer)."""
         if handle.worker_id == self.core.worker_id:
-            return self.owner.handle(method, data)
-        nonblocking.check(f"calling {method} on another node's owner")
+            return self.serve(entry)(data)
+        nonblocking.check(f"calling {entry.name} on another node's owner")
         for attempt in range(2):
             link = self.peers.link(handle)
             try:
-                return link.call(method, data, self.core.clock.deadline(timeout_s), handle)
+                return link.call(entry, data, self.core.clock.deadline(timeout_s), handle)
             except OwnerDied:
                 if attempt or not self.peers.forget(link):
                     raise
@@ -303,4 +316,4 @@ class ConsumerService:
         """Drop one reference on ``handle`` for a caller that does not wait for the answer;
         a handle already gone (its TTL came first) is not an error here."""
         with contextlib.suppress(HandleNotFound, OwnerDied, StagingError):
-            self.route(handle, "_rv_release", encode(ReleaseRequest(handle, 0)), None)
+            self.to_owner(handle, RV_RELEASE, encode(ReleaseRequest(handle, 0)), None)

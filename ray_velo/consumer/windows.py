@@ -11,6 +11,7 @@ from ray_velo.consumer.links import OwnerLink
 from ray_velo.errors import DescriptorError, ProtocolError, UcxError, VeloError
 from ray_velo.protocol import DataHandle, WindowAnswer, WindowRequest, decode, encode
 from ray_velo.protocol.descriptor import RdmaDescriptor
+from ray_velo.protocol.entry import RV_WINDOW
 
 __all__ = ["WINDOW_CALL_S", "WindowFeed", "written_range"]
 
@@ -103,7 +104,7 @@ class WindowFeed:
         request = WindowRequest(self._handle, self._lease_id, index, done)
         try:
             data = self._link.call(
-                "_rv_window", encode(request), self._clock.deadline(left), self._handle
+                RV_WINDOW, encode(request), self._clock.deadline(left), self._handle
             )
             blob = decode(WindowAnswer, data).descriptor
             start = index * self._window_bytes
@@ -136,7 +137,7 @@ def written_range(
     request = WindowRequest(handle, lease_id, index, -1)
     try:
         data = link.call(
-            "_rv_window", encode(request), clock.deadline(min(left_s, WINDOW_CALL_S)), handle
+            RV_WINDOW, encode(request), clock.deadline(min(left_s, WINDOW_CALL_S)), handle
         )
         blob = decode(WindowAnswer, data).descriptor
         length = RdmaDescriptor.decode(blob).length
@@ -148,4 +149,4 @@ def written_range(
 
 
 def _failed(why: str) -> UcxError:
-    return UcxError(operation="_rv_window", status=-1, status_text=why)
+    return UcxError(operation=RV_WINDOW.name, status=-1, status_text=why)

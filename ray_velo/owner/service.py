@@ -32,16 +32,14 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
-from ray_velo.protocol.entry import OWNER_HANDLERS
 from ray_velo.state.ledger import Buffer
 from ray_velo.state.owner import RegionSlot
 from ray_velo.state.relays import RELAY_MIN_BYTES
 from ray_velo.state.store import Slot
 
-__all__ = ["HANDLERS", "OwnerService"]
+__all__ = ["OwnerService"]
 
-#: The owner's handlers (declared in ray_velo.protocol.entry).
-HANDLERS = OWNER_HANDLERS
+
 #: The smallest window a slot still being written is read in.
 WRITTEN_WINDOW_MIN = 4 << 20
 #: The most a window's answer waits for its producer's bytes (a consumer's window call
@@ -58,12 +56,6 @@ class OwnerService:
         self.windowed_leases = 0
         #: Windows registered for them.
         self.windows_registered = 0
-
-    def handle(self, method: str, data: bytes) -> Any:
-        """Run handler ``method`` (one of :data:`HANDLERS`) on ``data``."""
-        if method not in HANDLERS:
-            raise ValueError(f"unknown handler {method!r}")
-        return getattr(self, method)(data)
 
     def _rv_metadata(self, data: bytes) -> bytes:
         request = decode(MetadataRequest, data)

@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 __all__ = [
-    "BLOCKING",
     "BY_NAME",
     "CHANNEL_CALLS",
     "CHANNEL_NOTICES",
-    "COROUTINES",
     "ENTRIES",
     "ORDERED_NOTICES",
-    "OWNER_HANDLERS",
-    "QUICK",
     "WIRE_METHODS",
     "Entry",
 ]
@@ -46,53 +43,68 @@ class Entry:
     wire: int | None = None
     owner: bool = False
 
+    def served_by(self, agent: object) -> Callable[..., Any]:
+        """The method that serves this entry on ``agent`` (the plain agent): the one resolver
+        the actor, its socket, its wire and its calls to its own owner go through."""
+        target = agent
+        for part in self.serves.split("."):
+            target = getattr(target, part)
+        return cast(Callable[..., Any], target)
 
+
+# a producer on the node: reserve shared memory, commit it as a slot, or give it back
+STAGE_RESERVE = Entry("stage_reserve", "producers.reserve", "loop", socket="call")
+STAGE_COMMIT = Entry("stage_commit", "producers.commit", "loop", socket="ordered")
+STAGE_ABORT = Entry("stage_abort", "producers.abort", "loop", socket="ordered")
+STAGE_WRITTEN = Entry("stage_written", "producers.written", "loop", socket="ordered")
+# a reader on the node: a lease on a slot it reads in place, and its end
+LOCAL_ACQUIRE = Entry("local_acquire", "readers.acquire", "loop", socket="call")
+END_LEASE = Entry("end_lease", "readers.end_lease", "loop", socket="ordered")
+# a process's fetch from another node (its waits on the owner hold no thread)
+FETCH_REMOTE = Entry("fetch_remote", "consumer.fetch", "coroutine", socket="call")
+# a tensor transport's receive: a PinnedWriter reserved and the bytes fetched into it
+FETCH_INTO_WRITER = Entry("fetch_into_writer", "fetch_into_writer", "coroutine", socket="call")
+# a consuming call's claims, and a release nobody waits for
+CLAIM_END = Entry("claim_end", "consumer.claim_end", "threads", socket="notice")
+RELEASE_QUIETLY = Entry("release_quietly", "consumer.release_quietly", "threads", socket="notice")
+# the owner's handlers (the protocol's seven, docs/protocol.md §5, and the windows), as other agents call them
+RV_METADATA = Entry("_rv_metadata", "owner._rv_metadata", "loop", wire=0, owner=True)
+RV_ACQUIRE = Entry("_rv_acquire", "owner._rv_acquire", "loop", wire=1, owner=True)
+RV_REF = Entry("_rv_ref", "owner._rv_ref", "loop", wire=2, owner=True)
+RV_DETACH = Entry("_rv_detach", "owner._rv_detach", "loop", wire=3, owner=True)
+RV_RELEASE = Entry("_rv_release", "owner._rv_release", "loop", wire=4, owner=True)
+RV_LEASE_RENEW = Entry("_rv_lease_renew", "owner._rv_lease_renew", "loop", wire=5, owner=True)
+RV_PULL = Entry("_rv_pull", "owner._rv_pull", "threads", owner=True)  # chunks: stays a Ray call
+RV_WINDOW = Entry("_rv_window", "owner._rv_window", "loop", wire=9, owner=True)
+# node-local copies read by other nodes (broadcast)
+RV_COPY = Entry("_rv_copy", "consumer.copy_notice", "loop", wire=6)
+RV_RELAY = Entry("_rv_relay", "consumer.relays.serve", "loop", wire=7)
+RV_RELAY_END = Entry("_rv_relay_end", "consumer.relays.end", "loop", wire=8)
+# caller-owned regions
+REGION_ALLOC = Entry("region_alloc", "regions.alloc", "threads")
+REGION_STAGE = Entry("region_stage", "regions.stage", "threads")
+REGION_UNREGISTER = Entry("region_unregister", "regions.unregister", "threads")
+REGION_DEREGISTERED = Entry("region_deregistered", "regions.deregistered", "threads")
+# routing, peers, operation
+# a process's call to a handle's owner (metadata, ref, detach, release), via its agent
+ROUTE = Entry("route", "consumer.route", "loop", socket="call")
+UCX_ADDRESS = Entry("ucx_address", "ucx_address", "loop")
+REGISTER_PEERS = Entry("register_peers", "peers.register", "threads")
+CLEANUP = Entry("cleanup", "cleanup", "threads")
+STATUS = Entry("status", "status", "threads")
+INJECT_FAULT = Entry("inject_fault", "inject_fault", "threads")
+INFO = Entry("info", "info", "coroutine")
+PING = Entry("ping", "ping", "coroutine")
+SHUTDOWN = Entry("shutdown", "shutdown", "coroutine")
+
+#: Every entry point, in the order declared above.
 ENTRIES: tuple[Entry, ...] = (
-    # a producer on the node: reserve shared memory, commit it as a slot, or give it back
-    Entry("stage_reserve", "producers.reserve", "loop", socket="call"),
-    Entry("stage_commit", "producers.commit", "loop", socket="ordered"),
-    Entry("stage_abort", "producers.abort", "loop", socket="ordered"),
-    Entry("stage_written", "producers.written", "loop", socket="ordered"),
-    # a reader on the node: a lease on a slot it reads in place, and its end
-    Entry("local_acquire", "readers.acquire", "loop", socket="call"),
-    Entry("end_lease", "readers.end_lease", "loop", socket="ordered"),
-    # a process's fetch from another node (its waits on the owner hold no thread)
-    Entry("fetch_remote", "consumer.fetch", "coroutine", socket="call"),
-    # a tensor transport's receive: a PinnedWriter reserved and the bytes fetched into it
-    Entry("fetch_into_writer", "fetch_into_writer", "coroutine", socket="call"),
-    # a consuming call's claims, and a release nobody waits for
-    Entry("claim_end", "consumer.claim_end", "threads", socket="notice"),
-    Entry("release_quietly", "consumer.release_quietly", "threads", socket="notice"),
-    # the owner's handlers (the protocol's seven, docs/protocol.md §5, and the windows), as other agents call them
-    Entry("_rv_metadata", "owner._rv_metadata", "loop", wire=0, owner=True),
-    Entry("_rv_acquire", "owner._rv_acquire", "loop", wire=1, owner=True),
-    Entry("_rv_ref", "owner._rv_ref", "loop", wire=2, owner=True),
-    Entry("_rv_detach", "owner._rv_detach", "loop", wire=3, owner=True),
-    Entry("_rv_release", "owner._rv_release", "loop", wire=4, owner=True),
-    Entry("_rv_lease_renew", "owner._rv_lease_renew", "loop", wire=5, owner=True),
-    Entry("_rv_pull", "owner._rv_pull", "threads", owner=True),  # chunks: stays a Ray call
-    Entry("_rv_window", "owner._rv_window", "loop", wire=9, owner=True),
-    # node-local copies read by other nodes (broadcast)
-    Entry("_rv_copy", "consumer.copy_notice", "loop", wire=6),
-    Entry("_rv_relay", "consumer.relays.serve", "loop", wire=7),
-    Entry("_rv_relay_end", "consumer.relays.end", "loop", wire=8),
-    # caller-owned regions
-    Entry("region_alloc", "regions.alloc", "threads"),
-    Entry("region_stage", "regions.stage", "threads"),
-    Entry("region_unregister", "regions.unregister", "threads"),
-    Entry("region_deregistered", "regions.deregistered", "threads"),
-    # routing, peers, operation
-    # a process's call to a handle's owner (metadata, ref, detach, release), via its agent
-    Entry("route", "consumer.route", "loop", socket="call"),
-    Entry("ucx_address", "ucx_address", "loop"),
-    Entry("register_peers", "peers.register", "threads"),
-    Entry("cleanup", "cleanup", "threads"),
-    Entry("status", "status", "threads"),
-    Entry("inject_fault", "inject_fault", "threads"),
-    Entry("info", "info", "coroutine"),
-    Entry("ping", "ping", "coroutine"),
-    Entry("shutdown", "shutdown", "coroutine"),
-)
+    STAGE_RESERVE, STAGE_COMMIT, STAGE_ABORT, STAGE_WRITTEN, LOCAL_ACQUIRE, END_LEASE,
+    FETCH_REMOTE, FETCH_INTO_WRITER, CLAIM_END, RELEASE_QUIETLY, RV_METADATA, RV_ACQUIRE,
+    RV_REF, RV_DETACH, RV_RELEASE, RV_LEASE_RENEW, RV_PULL, RV_WINDOW, RV_COPY, RV_RELAY,
+    RV_RELAY_END, REGION_ALLOC, REGION_STAGE, REGION_UNREGISTER, REGION_DEREGISTERED, ROUTE,
+    UCX_ADDRESS, REGISTER_PEERS, CLEANUP, STATUS, INJECT_FAULT, INFO, PING, SHUTDOWN,
+)  # fmt: skip
 
 #: Each entry by name.
 BY_NAME: dict[str, Entry] = {e.name: e for e in ENTRIES}
@@ -100,19 +112,14 @@ BY_NAME: dict[str, Entry] = {e.name: e for e in ENTRIES}
 _BY_WIRE = sorted((e.wire, e.name) for e in ENTRIES if e.wire is not None)
 #: The wire's methods in number order (index = number on the wire).
 WIRE_METHODS: tuple[str, ...] = tuple(name for _, name in _BY_WIRE)
-#: The owner's handlers (``OwnerService.handle``, and ``route`` for a peer's handle).
-OWNER_HANDLERS = frozenset(e.name for e in ENTRIES if e.owner)
 #: What the node's Unix socket carries: calls, notices, and the notices run in order.
 CHANNEL_CALLS = frozenset(e.name for e in ENTRIES if e.socket == "call")
 CHANNEL_NOTICES = frozenset(e.name for e in ENTRIES if e.socket in ("notice", "ordered"))
 ORDERED_NOTICES = frozenset(e.name for e in ENTRIES if e.socket == "ordered")
-#: The actor's delegations to the plain agent: on its loop, and on its threads.
-QUICK: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "loop")
-BLOCKING: tuple[str, ...] = tuple(e.name for e in ENTRIES if e.runs == "threads")
-#: The actor's own async methods.
-COROUTINES = frozenset(e.name for e in ENTRIES if e.runs == "coroutine")
 
-if len(BY_NAME) != len(ENTRIES):
-    raise AssertionError("two entries share a name")
+if len(BY_NAME) != len(ENTRIES) or len(ENTRIES) != sum(
+    isinstance(value, Entry) for value in list(globals().values())
+):
+    raise AssertionError("two entries share a name, or one is missing from ENTRIES")
 if [number for number, _ in _BY_WIRE] != list(range(len(_BY_WIRE))):
     raise AssertionError(f"wire numbers must run 0..n-1 without a gap: {_BY_WIRE}")

@@ -34,6 +34,7 @@ from ray_velo.protocol import (
     decode,
     encode,
 )
+from ray_velo.protocol.entry import RV_ACQUIRE, Entry
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
 
 __all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]
@@ -58,28 +59,28 @@ class InProcessLink:
         if self.dead:
             raise OwnerDied(handle=str(handle), node=self.node)
 
-    def call(self, method: str, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
+    def call(self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle) -> Any:
         self._check(handle)
-        if method == "_rv_acquire" and self.offer_anyway > 0:
+        if entry is RV_ACQUIRE and self.offer_anyway > 0:
             request = decode(AcquireRequest, message)
             if request.rdma is None:
                 self.offer_anyway -= 1
                 message = encode(dataclasses.replace(request, rdma=RdmaOffer(("ucx",))))
-        return self.agent.owner.handle(method, message)
+        return self.agent.serve(entry)(message)
 
-    def send(self, method: str, message: bytes) -> None:
-        self.sent.append(method)
+    def send(self, entry: Entry, message: bytes) -> None:
+        self.sent.append(entry.name)
         if self.dead:
             return
         try:
-            self.agent.owner.handle(method, message)
+            self.agent.serve(entry)(message)
         except VeloError:
             return
 
     async def call_async(
-        self, method: str, message: bytes, deadline: Deadline, handle: DataHandle
+        self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle
     ) -> Any:
-        return self.call(method, message, deadline, handle)
+        return self.call(entry, message, deadline, handle)
 
     async def pull(
         self,

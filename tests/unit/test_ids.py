@@ -159,7 +159,7 @@ def test_no_answer_names_a_handle_or_lease_the_peer_did_not_send(tmp_path: Path)
 
         def ask(handle: DataHandle, method: str, message: Any) -> list[Any]:
             try:
-                answer = service.handle(method, encode(message))
+                answer = getattr(service, method)(encode(message))
             except VeloError as exc:
                 return [str(exc), *_leaves(exc.fields)]
             return list(_leaves(answer))
@@ -173,7 +173,7 @@ def test_no_answer_names_a_handle_or_lease_the_peer_did_not_send(tmp_path: Path)
             lease_ids = []
             for offer in (None, RdmaOffer()):
                 answer = (
-                    service.handle("_rv_acquire", encode(AcquireRequest(handle, offer)))
+                    service._rv_acquire(encode(AcquireRequest(handle, offer)))
                     if handle in handles
                     else None
                 )

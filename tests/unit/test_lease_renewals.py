@@ -15,6 +15,7 @@ import pytest
 from ray_velo.consumer.driver import LeaseRenewals
 from ray_velo.errors import StagingError
 from ray_velo.protocol import DataHandle, LeaseRenewRequest, decode
+from ray_velo.protocol.entry import RV_LEASE_RENEW, Entry
 from ray_velo.testing import FakeClock
 
 HANDLE = DataHandle(7, 1, "node-a")
@@ -28,8 +29,8 @@ class RecordingLink:
         self.sent: list[tuple[int, float]] = []  # (lease id, fake time)
         self.cond = threading.Condition()
 
-    def send(self, method: str, message: bytes) -> None:
-        assert method == "_rv_lease_renew"
+    def send(self, entry: Entry, message: bytes) -> None:
+        assert entry is RV_LEASE_RENEW
         request = decode(LeaseRenewRequest, message)
         with self.cond:
             self.sent.append((request.lease_id, self.clock()))

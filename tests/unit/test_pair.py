@@ -201,7 +201,7 @@ def test_get_into_a_pinned_writer_lands_in_it(pair: AgentPair) -> None:
     view = pair.segments.view(writer.path, writer.offset, 3 * MiB)
     assert bytes(view) == payload(3 * MiB)
     del view
-    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, lease.remote_lease_id)))
+    pair.owner.owner._rv_release(encode(ReleaseRequest(handle, lease.remote_lease_id)))
     pair.consumer.producers.abort(writer.reservation_id)
     nothing_left(pair)
 
@@ -225,7 +225,7 @@ def test_a_detaching_fetch_into_a_pinned_writer_ends_the_owners_lease_itself(
     del view
     assert pair.fetch(handle) == payload(3 * MiB)  # still usable
     pair.consumer.producers.abort(writer.reservation_id)
-    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
+    pair.owner.owner._rv_release(encode(ReleaseRequest(handle, 0)))
     nothing_left(pair)
 
 
@@ -244,7 +244,7 @@ def test_a_writer_reserved_and_filled_in_one_call_holds_the_bytes(pair: AgentPai
     del view
     assert pair.fetch(handle) == payload(3 * MiB)
     pair.consumer.producers.abort(writer.reservation_id)
-    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
+    pair.owner.owner._rv_release(encode(ReleaseRequest(handle, 0)))
     nothing_left(pair)
 
 
@@ -256,7 +256,7 @@ def test_a_failed_fetch_into_a_new_writer_gives_its_reservation_back(
     (the caller never learns its id): an unknown handle, and a writer smaller than the
     payload, each leave no reservation and no memory behind."""
     handle = pair.put(payload(3 * MiB))
-    pair.owner.owner.handle("_rv_release", encode(ReleaseRequest(handle, 0)))
+    pair.owner.owner._rv_release(encode(ReleaseRequest(handle, 0)))
     if nbytes == 3 * MiB:  # released: the owner no longer knows it
         with pytest.raises(HandleNotFound):
             pair.consumer.fetch_into_writer(handle, None, os.getpid(), "unbounded", nbytes)

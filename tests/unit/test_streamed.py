@@ -237,8 +237,7 @@ def test_a_failed_write_is_told_and_the_writer_goes_on() -> None:
     notices: list[tuple[DataHandle, int]] = []
 
     class Agent:
-        def notify(self, method: str, handle: DataHandle, upto: int) -> None:
-            assert method == "stage_written"
+        def stage_written(self, handle: DataHandle, upto: int) -> None:
             notices.append((handle, upto))
 
     first, second = DataHandle(1, 1), DataHandle(1, 2)
@@ -277,7 +276,7 @@ def test_packed_pieces_land_at_their_offsets_and_the_gaps_are_zeroed() -> None:
     notices: list[int] = []
 
     class Agent:
-        def notify(self, method: str, handle: DataHandle, upto: int) -> None:
+        def stage_written(self, handle: DataHandle, upto: int) -> None:
             notices.append(upto)
 
     parts = [np.full(n, i + 1, np.uint8) for i, n in enumerate([3, 5 * MiB, 0, 70, 4 * MiB + 1])]

@@ -23,6 +23,7 @@ import pytest
 
 from ray_velo.consumer.relay import RelayLink
 from ray_velo.errors import HandleNotFound, WireAuthError
+from ray_velo.protocol.entry import BY_NAME, RV_METADATA
 from ray_velo.protocol.frames import WIRE_METHODS, encode_request
 from ray_velo.protocol.handshake import CHALLENGE_BYTES, MAGIC, NONCE_BYTES, ClientHandshake
 from ray_velo.testbed.security import make_tls_files
@@ -118,7 +119,7 @@ def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
 
 
 def call(link: RelayLink, method: str, message: bytes) -> Any:
-    return link.call(method, message, 5.0)
+    return link.call(BY_NAME[method], message, 5.0)
 
 
 # --- the door is closed to strangers -----------------------------------------------------
@@ -292,7 +293,7 @@ def test_under_tls_plain_and_foreign_peers_are_refused(
     try:
         for auth in (WireAuth(SECRET), WireAuth(SECRET, theirs)):
             with pytest.raises((WireAuthError, OSError)):
-                RelayLink(owner.address, auth).call("_rv_metadata", b"x", 5.0)
+                RelayLink(owner.address, auth).call(RV_METADATA, b"x", 5.0)
         wait_for(lambda: len(owner.refused) == 2)
         assert owner.refused == ["tls", "tls"]
     finally:
@@ -302,7 +303,7 @@ def test_under_tls_plain_and_foreign_peers_are_refused(
     try:
         with pytest.raises(WireAuthError) as info:
             RelayLink(stranger.address, WireAuth(SECRET, ours, refused.append)).call(
-                "_rv_metadata", b"x", 5.0
+                RV_METADATA, b"x", 5.0
             )
         assert info.value.fields["reason"] == "tls"
         assert refused == ["tls"]
