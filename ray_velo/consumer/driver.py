@@ -70,7 +70,7 @@ from ray_velo.state.fetch import (
 )
 from ray_velo.state.owner import ReadMode
 from ray_velo.state.relays import RELAY_MIN_BYTES, RELAY_PIECE_BYTES, Relay
-from ray_velo.state.store import Slot
+from ray_velo.state.store import SlotView
 
 __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 
@@ -201,7 +201,7 @@ class _Run:
         self.pid = pid
         self.writer_rid = writer_rid
         self.dest = _Destination(writer_buffer, None, writer_buffer is not None)
-        self.local: tuple[Slot, int] | None = None  # (local slot, reader's lease id)
+        self.local: tuple[SlotView, int] | None = None  # (local slot, reader's lease id)
 
     async def request(self, instruction: Acquire | Pull, blocking: Blocking) -> Event:
         """Perform a call to the owner, awaited on the event loop (the other requests run in
@@ -590,7 +590,7 @@ class _Run:
             self.local = (slot, self._lease_local(slot, indexed, now))
         self.dest = _Destination()
 
-    def _lease_local(self, slot: Slot, indexed: bool, now: float) -> int:
+    def _lease_local(self, slot: SlotView, indexed: bool, now: float) -> int:
         # core.lock held. A copy no other fetch can find ends with its reader's lease.
         mode: ReadMode = "detach" if indexed else "release"
         _, lease = self.core.state.local_acquire(
@@ -612,7 +612,7 @@ class _Run:
                 with core.changing() as fx:
                     now = core.clock()
                     slot = core.state.stage(
-                        None, "", 0, answer.type_header, now, fx, kind="empty", pinned=False
+                        None, None, 0, answer.type_header, now, fx, kind="empty", pinned=False
                     )
                     self.local = (slot, self._lease_local(slot, False, now))
             slot, lease_id = self.local

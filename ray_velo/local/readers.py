@@ -11,7 +11,7 @@ from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.protocol import DataHandle
 from ray_velo.state.owner import ReadMode, RegionSlot
-from ray_velo.state.store import Slot
+from ray_velo.state.store import SlotView
 
 __all__ = ["ReaderService"]
 
@@ -57,7 +57,7 @@ class ReaderService:
         return isinstance(slot.location, RegionSlot) and slot.total_len > 0
 
     def _copy_of_region(
-        self, handle: DataHandle, slot: Slot, lease_id: int, pid: int, mode: ReadMode
+        self, handle: DataHandle, slot: SlotView, lease_id: int, pid: int, mode: ReadMode
     ) -> LocalLease:
         """Copy a region slot under its copy gate into plain memory; the reader leases the
         copy, and its lease on the region slot ends (unless ``hold`` keeps it)."""

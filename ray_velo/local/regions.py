@@ -94,7 +94,7 @@ class RegionService:
             with core.changing() as fx:
                 core.check_open()
                 slot = core.state.stage(
-                    RegionSlot(owned.region, anchor, start), "", stop - start, type_header,
+                    RegionSlot(owned.region, anchor, start), None, stop - start, type_header,
                     core.clock(), fx, kind="region", pinned=core.rdma is not None, ttl=ttl,
                     job=job, detached=detached,
                 )  # fmt: skip

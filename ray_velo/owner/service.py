@@ -35,7 +35,7 @@ from ray_velo.protocol import (
 from ray_velo.state.ledger import Buffer
 from ray_velo.state.owner import RegionSlot
 from ray_velo.state.relays import RELAY_MIN_BYTES
-from ray_velo.state.store import Slot
+from ray_velo.state.store import SlotView
 
 __all__ = ["OwnerService"]
 
@@ -125,7 +125,7 @@ class OwnerService:
         return window_set if window_set.open() else None
 
     def _decide(
-        self, request: AcquireRequest, slot: Slot, opened: WindowSet | None
+        self, request: AcquireRequest, slot: SlotView, opened: WindowSet | None
     ) -> tuple[bytes, WindowSet | None]:
         """The eight checks, counted: the descriptor to answer with, or the window set of a
         plain slot (``opened``, if the checks reach it), or (b"", None) for chunked."""
@@ -155,7 +155,7 @@ class OwnerService:
     def _grant_rdma(
         self,
         request: AcquireRequest,
-        slot: Slot,
+        slot: SlotView,
         descriptor: bytes,
         consumer: tuple[str, int] | None,
         windows: WindowSet | None = None,
@@ -207,7 +207,7 @@ class OwnerService:
         )
 
     def _grant_chunked(
-        self, request: AcquireRequest, slot: Slot, consumer: tuple[str, int] | None
+        self, request: AcquireRequest, slot: SlotView, consumer: tuple[str, int] | None
     ) -> bytes:
         """A chunked lease (a deadline only when asked: ``lease_ms``) and its answer."""
         lease = self.core.state.grant(
@@ -232,7 +232,9 @@ class OwnerService:
             )
         )
 
-    def _descriptor(self, slot: Slot, start: int = 0, nbytes: int | None = None) -> bytes | None:
+    def _descriptor(
+        self, slot: SlotView, start: int = 0, nbytes: int | None = None
+    ) -> bytes | None:
         """Check 8: the staging still exists (registered) and the descriptor of its bytes
         ``[start, start + nbytes)`` (None: to the end) encodes."""
         rdma = self.core.rdma
@@ -341,7 +343,7 @@ class OwnerService:
             raise ProtocolError(f"window {request.index} of {request.handle} did not encode")
         return encode(WindowAnswer(descriptor))
 
-    def _written_window(self, request: WindowRequest, slot: Slot) -> bytes:
+    def _written_window(self, request: WindowRequest, slot: SlotView) -> bytes:
         """The descriptor of a registered slot's bytes from window ``index`` to as far as
         its producer has written them (at least that window), for a lease whose answer
         said the slot is still being written (streamed staging): one GET takes all that is
@@ -375,7 +377,7 @@ def written_window_bytes(total_len: int) -> int:
     return max(WRITTEN_WINDOW_MIN, -(-total_len // 16 // mib) * mib)
 
 
-def _window_buffer(slot: Slot) -> Buffer | None:
+def _window_buffer(slot: SlotView) -> Buffer | None:
     """The plain memory of a slot whose producer asked for registered memory (not a region,
     not empty, not demoted at shutdown), whose ranges a window set can register; else None."""
     location = slot.location
@@ -384,6 +386,6 @@ def _window_buffer(slot: Slot) -> Buffer | None:
     return None if location is None or isinstance(location, RegionSlot) else location
 
 
-def _unclaimed(request: AcquireRequest, slot: Slot) -> int:
+def _unclaimed(request: AcquireRequest, slot: SlotView) -> int:
     """What a consuming acquire's answer says is left to claim (-1: not a consuming one)."""
     return slot.refcount - slot.claimed if request.claim else -1

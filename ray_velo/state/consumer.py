@@ -12,10 +12,10 @@ from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import IdSequence
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.state.ledger import Buffer, BufferLedger, Effects, Holdings
+from ray_velo.state.ledger import Buffer, BufferLedger, Effects, Holder, HolderKind, Holdings
 from ray_velo.state.owner import OwnerState, RegionSlot
 from ray_velo.state.relays import Relay
-from ray_velo.state.store import Slot, SlotKind
+from ray_velo.state.store import SlotKind, SlotView
 
 __all__ = ["COPY_ENDED", "COPY_IDLE", "COPY_UNUSED", "KEPT_IDLE_S", "ConsumerState"]
 
@@ -28,7 +28,7 @@ COPY_ENDED = "its owner ended the handle"
 KEPT_IDLE_S = 60.0
 COPY_IDLE = f"its node-local copy had no reader for {KEPT_IDLE_S:.0f} s"
 #: The ledger's holder kinds this side keeps.
-HOLDS = ("fetch", "relayed")
+HOLDS: tuple[HolderKind, ...] = ("fetch", "relayed")
 
 
 class ConsumerState:
@@ -64,7 +64,7 @@ class ConsumerState:
     def fetch_take(self, buffer: Buffer, pinned: bool) -> int:
         """A fetch (or a copy) now owns ``buffer``. Returns its fetch id."""
         fid = next(self._fetch_ids)
-        self.ledger.hold(buffer, f"fetch:{fid}")
+        self.ledger.hold(buffer, Holder("fetch", fid))
         self._fetches[fid] = (buffer, pinned)
         return fid
 
@@ -84,17 +84,17 @@ class ConsumerState:
         buffer, pinned = self._fetches.pop(fid)
         relay = self._relay_failed(fid)
         if relay is not None and relay.readers:
-            self.ledger.move(buffer, f"fetch:{fid}", f"relayed:{fid}")
+            self.ledger.move(buffer, Holder("fetch", fid), Holder("relayed", fid))
             self._relayed[fid] = (buffer, pinned)
             return
-        self.ledger.give_back(buffer, f"fetch:{fid}", pinned, fx)
+        self.ledger.give_back(buffer, Holder("fetch", fid), pinned, fx)
 
     def fetch_quarantine(self, fid: int) -> None:
         """A timed-out GET may still write the fetch's buffer: it never goes back (other
         nodes reading the bytes that had landed may go on: those stay as they were)."""
         buffer, pinned = self._fetches.pop(fid)
         self._relay_failed(fid)
-        self.ledger.quarantine(buffer, pinned, f"fetch:{fid}")
+        self.ledger.quarantine(buffer, pinned, Holder("fetch", fid))
 
     def fetch_stage(
         self,
@@ -106,12 +106,12 @@ class ConsumerState:
         fx: Effects,
         *,
         copy_of: DataHandle | None = None,
-    ) -> Slot:
+    ) -> SlotView:
         """The fetch's buffer becomes a local slot (refcount 1). ``copy_of``: it is the
         node-local copy of that remote handle, found again by :meth:`copy_for`."""
         buffer, pinned = self._fetches.pop(fid)
         slot = self.owner.stage(
-            buffer, f"fetch:{fid}", total_len, type_header, now, fx, kind=kind, pinned=pinned
+            buffer, Holder("fetch", fid), total_len, type_header, now, fx, kind=kind, pinned=pinned
         )
         remote = self._relay_fids.pop(fid, None)
         if remote is not None:  # the copy's readers now read a slot: reads in progress
@@ -126,15 +126,15 @@ class ConsumerState:
             self._copy_of[slot.slot_id] = copy_of
         return slot
 
-    def fetch_demote(self, fid: int, slot: Slot, now: float, fx: Effects) -> bool:
+    def fetch_demote(self, fid: int, slot: SlotView, now: float, fx: Effects) -> bool:
         """Shutdown copied ``slot`` into fetch ``fid``'s plain buffer: the slot moves there
         (:meth:`OwnerState.demote`). Returns whether it moved (else the buffer went back)."""
         buffer, _ = self._fetches.pop(fid)
-        return self.owner.demote(slot, (buffer, f"fetch:{fid}"), now, fx)
+        return self.owner.demote(slot, (buffer, Holder("fetch", fid)), now, fx)
 
     # --- node-local copies -----------------------------------------------------------
 
-    def copy_for(self, remote: DataHandle) -> Slot | None:
+    def copy_for(self, remote: DataHandle) -> SlotView | None:
         """The live node-local copy of ``remote``, if any."""
         slot_id = self._copies.get(remote)
         slot = None if slot_id is None else self.owner.held_slot(slot_id)
@@ -297,7 +297,7 @@ class ConsumerState:
         elif relay.fid in self._relayed and not relay.readers:
             fid = relay.fid
             buffer, pinned = self._relayed.pop(fid)
-            self.ledger.give_back(buffer, f"relayed:{fid}", pinned, fx)
+            self.ledger.give_back(buffer, Holder("relayed", fid), pinned, fx)
         self._relay_drop(relay)
 
     def _relay_failed(self, fid: int) -> Relay | None:
@@ -392,7 +392,7 @@ class ConsumerState:
         for fid in list(self._fetches):
             self.fetch_give_back(fid, fx)
         for fid, (buffer, pinned) in list(self._relayed.items()):
-            self.ledger.give_back(buffer, f"relayed:{fid}", pinned, fx)
+            self.ledger.give_back(buffer, Holder("relayed", fid), pinned, fx)
         self._relayed.clear()
         self._lent.clear()
         self._relays.clear()
@@ -415,11 +415,11 @@ class ConsumerState:
         """
         expected: Holdings = {}
         for fid, (buffer, _) in self._fetches.items():
-            expected[buffer.key] = f"fetch:{fid}"
+            expected[buffer.key] = Holder("fetch", fid)
         for fid, (buffer, _) in self._relayed.items():
             if buffer.key in expected:
                 raise AssertionError(f"buffer {buffer.key} is both a fetch's and relayed:{fid}")
-            expected[buffer.key] = f"relayed:{fid}"
+            expected[buffer.key] = Holder("relayed", fid)
         self.ledger.check(HOLDS, expected)
         timed = {(due, remote) for due, _, remote in self._kept_due}
         for remote, due in self._kept_idle.items():

@@ -4,7 +4,7 @@ checked transitions (docs/architecture.md §4). Pure: no I/O, no clock."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from ray_velo.protocol.handle import DataHandle
 
@@ -12,7 +12,9 @@ if TYPE_CHECKING:
     from ray_velo.memory.pool import Registration
     from ray_velo.memory.windows import WindowSet
 
-__all__ = ["Anchor", "Buffer", "BufferLedger", "Effects", "Holdings"]
+__all__ = [
+    "QUARANTINE", "Anchor", "Buffer", "BufferLedger", "Effects", "Holder", "HolderKind", "Holdings",
+]  # fmt: skip
 
 
 class Buffer(Protocol):
@@ -59,8 +61,27 @@ class Effects:
     copy_ends: list[tuple[DataHandle, str, int]] = field(default_factory=list)
 
 
+HolderKind = Literal[
+    "reservation", "slot", "parked", "grace", "demoted", "quarantine", "fetch", "relayed"
+]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a buffer out of its pool: a kind of record (docs/architecture.md §4) and its
+    id there (a slot's, a fetch's, a reservation's; 0 for the quarantine)."""
+
+    kind: HolderKind
+    id: int = 0
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "quarantine" else f"{self.kind}:{self.id}"
+
+
+#: The ledger's own holder: memory a timed-out GET may still write.
+QUARANTINE = Holder("quarantine")
 #: Expected holdings of one side: buffer key -> holder.
-Holdings = dict[tuple[str, int], str]
+Holdings = dict[tuple[str, int], Holder]
 
 
 class BufferLedger:
@@ -72,21 +93,21 @@ class BufferLedger:
         #: pool's close unmaps it with the process).
         self.quarantined: list[tuple[Buffer, bool]] = []
 
-    def hold(self, buffer: Buffer, holder: str) -> None:
+    def hold(self, buffer: Buffer, holder: Holder) -> None:
         """``buffer`` leaves its pool for ``holder``."""
         key = buffer.key
         if key in self._holders:
             raise AssertionError(f"buffer {key} handed to {holder}, already {self._holders[key]}")
         self._holders[key] = holder
 
-    def move(self, buffer: Buffer, source: str, target: str) -> None:
+    def move(self, buffer: Buffer, source: Holder, target: Holder) -> None:
         """``buffer`` passes from ``source`` (who must hold it) to ``target``."""
         current = self._holders.get(buffer.key)
         if current != source:
             raise AssertionError(f"buffer {buffer.key} moved from {source}, held by {current}")
         self._holders[buffer.key] = target
 
-    def give_back(self, buffer: Buffer, source: str, pinned: bool, fx: Effects) -> None:
+    def give_back(self, buffer: Buffer, source: Holder, pinned: bool, fx: Effects) -> None:
         """``source`` gives ``buffer`` back to its (pinned or plain) pool, in ``fx``."""
         current = self._holders.get(buffer.key)
         if current != source:
@@ -96,46 +117,37 @@ class BufferLedger:
         del self._holders[buffer.key]
         fx.free.append((buffer, pinned))
 
-    def quarantine(self, buffer: Buffer, pinned: bool, source: str) -> None:
+    def quarantine(self, buffer: Buffer, pinned: bool, source: Holder) -> None:
         """``source`` gives ``buffer`` up to the quarantine: a timed-out GET may still write
         it, so it never goes back to a pool."""
-        self.move(buffer, source, "quarantine")
+        self.move(buffer, source, QUARANTINE)
         self.quarantined.append((buffer, pinned))
 
     @property
     def quarantined_bytes(self) -> int:
         return sum(buffer.nbytes for buffer, _ in self.quarantined)
 
-    def holder_of(self, buffer: Buffer) -> str | None:
+    def holder_of(self, buffer: Buffer) -> Holder | None:
         """Who holds ``buffer`` now (None: its pool)."""
         return self._holders.get(buffer.key)
 
-    def check(self, kinds: tuple[str, ...], expected: Holdings) -> None:
+    def check(self, kinds: tuple[HolderKind, ...], expected: Holdings) -> None:
         """The entries whose holder is of one of ``kinds`` (``"slot"``, ``"fetch"``...) must be
         exactly ``expected``: no buffer lost, none held twice, none held by a stranger.
 
         Raises:
             AssertionError: they differ; the message names the buffers.
         """
-        recorded = {k: v for k, v in self._holders.items() if v.split(":")[0] in kinds}
+        recorded = {k: v for k, v in self._holders.items() if v.kind in kinds}
         if expected != recorded:
             missing = {k: v for k, v in expected.items() if recorded.get(k) != v}
             extra = {k: v for k, v in recorded.items() if expected.get(k) != v}
             raise AssertionError(f"ledger disagrees: expected {missing}, recorded {extra}")
-        unknown = {v for v in self._holders.values() if v.split(":")[0] not in _KINDS}
-        if unknown:
-            raise AssertionError(f"ledger holders of no known kind: {sorted(unknown)}")
-        quarantined = {buffer.key: "quarantine" for buffer, _ in self.quarantined}
-        held = {k: v for k, v in self._holders.items() if v == "quarantine"}
+        quarantined = {buffer.key: QUARANTINE for buffer, _ in self.quarantined}
+        held = {k: v for k, v in self._holders.items() if v == QUARANTINE}
         if len(quarantined) != len(self.quarantined) or quarantined != held:
             raise AssertionError(f"quarantine {sorted(quarantined)} != ledger {sorted(held)}")
 
     def held(self) -> set[tuple[str, int]]:
         """The keys of every buffer out of its pool."""
         return set(self._holders)
-
-
-#: Every kind of holder (docs/architecture.md §4).
-_KINDS = frozenset(
-    ("reservation", "slot", "parked", "grace", "demoted", "quarantine", "fetch", "relayed")
-)

@@ -13,16 +13,16 @@ from ray_velo.errors import HandleNotFound, ProtocolError
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import ID_KEY_BYTES
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.state.ledger import Buffer, BufferLedger, Effects, Holdings
+from ray_velo.state.ledger import Buffer, BufferLedger, Effects, Holder, HolderKind, Holdings
 from ray_velo.state.progress import ReadGate, StreamedWrites
 from ray_velo.state.relays import CopySources
 from ray_velo.state.store import (
     FreedSlot,
     Lease,
     LeaseKind,
-    Slot,
     SlotKind,
     SlotStore,
+    SlotView,
     StoreCounters,
 )
 
@@ -50,7 +50,7 @@ PULL_GRACE_S = 1.0
 PRODUCER_DIED = "the process that staged it died"
 PRODUCER_FAILED = "the process that staged it failed to write its bytes"
 #: The ledger's holder kinds this state keeps (the quarantine is the ledger's own).
-HOLDS = ("slot", "parked", "grace", "demoted")
+HOLDS: tuple[HolderKind, ...] = ("slot", "parked", "grace", "demoted")
 
 ReadMode = Literal["release", "detach", "hold", "claim"]
 
@@ -72,7 +72,7 @@ class PullPlan:
     copy under its copy gate, then :meth:`OwnerState.end_read`.
     """
 
-    slot: Slot
+    slot: SlotView
     start: int
     length: int
     view: bool
@@ -164,7 +164,7 @@ class OwnerState:
     def stage(
         self,
         location: Buffer | RegionSlot | None,
-        holder: str,
+        holder: Holder | None,
         total_len: int,
         type_header: TypeHeader,
         now: float,
@@ -179,9 +179,10 @@ class OwnerState:
         detached: bool = False,
         windowable: bool = False,
         follow_pid: int = 0,
-    ) -> Slot:
+    ) -> SlotView:
         """A new slot over ``location``: a pool buffer that ``holder`` (its ledger entry)
-        hands over, a caller's region, or None (zero bytes). ``job``: the Ray job that
+        hands over, a caller's region, or None (zero bytes); ``holder`` is None for the last
+        two, which no ledger entry holds. ``job``: the Ray job that
         staged it (the handle ends with it unless ``detached``); ``follow_pid``: the handle
         ends when that process dies (a Ray Direct Transport object's source); ``windowable``:
         its producer asked for registered memory and got plain.
@@ -198,12 +199,12 @@ class OwnerState:
                 windowable=windowable,
             )  # fmt: skip
         except Exception:
-            if buffer is not None:
+            if buffer is not None and holder is not None:
                 self.ledger.give_back(buffer, holder, pinned, fx)
             raise
         slot = self._store.held(handle)
-        if buffer is not None:
-            self.ledger.move(buffer, holder, f"slot:{slot.slot_id}")
+        if buffer is not None and holder is not None:
+            self.ledger.move(buffer, holder, Holder("slot", slot.slot_id))
         fx.poke = fx.poke or ttl is not None or new_job  # a new job: the timer watches it
         if follow_pid:
             followed = self._followed.setdefault(follow_pid, set())
@@ -242,18 +243,18 @@ class OwnerState:
 
     # --- lookups ---------------------------------------------------------------------
 
-    def slot(self, handle: DataHandle) -> Slot:
+    def slot(self, handle: DataHandle) -> SlotView:
         """The slot of a live handle. Raises HandleNotFound (with the reason if known)."""
         return self._store.slot(handle)
 
-    def held_slot(self, slot_id: int) -> Slot | None:
+    def held_slot(self, slot_id: int) -> SlotView | None:
         """Slot ``slot_id`` while its bytes are held (its handle may have ended), or None."""
         try:
             return self._store.held(DataHandle(self.worker_id, slot_id))
         except HandleNotFound:
             return None
 
-    def slots(self) -> Iterable[Slot]:
+    def slots(self) -> Iterable[SlotView]:
         """Every slot whose bytes are held (a live view: do not change the state meanwhile)."""
         return self._store.slots()
 
@@ -320,7 +321,7 @@ class OwnerState:
 
     def local_acquire(
         self, handle: DataHandle, pid: int, mode: ReadMode, now: float
-    ) -> tuple[Slot, Lease]:
+    ) -> tuple[SlotView, Lease]:
         """A local lease for process ``pid`` reading ``handle`` in place.
 
         ``release``: the reader consumes a reference now (a claimed one: refused with
@@ -406,7 +407,7 @@ class OwnerState:
         """A read of slot ``slot_id`` (``reads.begin``) ended: bytes freed meanwhile may go
         now."""
         for freed in self.reads.end(slot_id):
-            _move_out(self.ledger, freed, f"parked:{slot_id}", fx)
+            _move_out(self.ledger, freed, Holder("parked", slot_id), fx)
 
     # --- timers and liveness ---------------------------------------------------------
 
@@ -418,7 +419,7 @@ class OwnerState:
             self._bytes_end(freed, now, fx)
         while self._grace and self._grace[0][0] <= now:
             _, _, freed = heapq.heappop(self._grace)
-            _move_out(self.ledger, freed, f"grace:{freed.slot_id}", fx)
+            _move_out(self.ledger, freed, Holder("grace", freed.slot_id), fx)
         return result.rdma_leases_reaped, result.chunked_leases_expired
 
     def next_due(self) -> float | None:
@@ -469,7 +470,7 @@ class OwnerState:
         """From now on the owner answers no descriptor (reason ``draining``)."""
         self._store.begin_drain()
 
-    def demotion_begin(self) -> list[Slot]:
+    def demotion_begin(self) -> list[SlotView]:
         """Shutdown's demotion starts: the held slots in registered memory (the pool or a
         caller's region), each now a read in progress so its bytes stay while copied."""
         slots = [
@@ -480,7 +481,9 @@ class OwnerState:
             self.reads.begin(slot.slot_id)
         return slots
 
-    def demote(self, slot: Slot, copy: tuple[Buffer, str] | None, now: float, fx: Effects) -> bool:
+    def demote(
+        self, slot: SlotView, copy: tuple[Buffer, Holder] | None, now: float, fx: Effects
+    ) -> bool:
         """``slot`` was copied into plain buffer ``copy`` (buffer, its ledger holder; None:
         no copy, it stays where it is). The slot now lives there; its registered bytes wait
         under ``demoted:<id>`` until :meth:`release_demoted`, for a GET admitted before the
@@ -494,8 +497,8 @@ class OwnerState:
                 self.ledger.give_back(buffer, holder, False, fx)
             else:
                 if _is_buffer(old):
-                    self.ledger.move(old, f"slot:{slot_id}", f"demoted:{slot_id}")
-                self.ledger.move(buffer, holder, f"slot:{slot_id}")
+                    self.ledger.move(old, Holder("slot", slot_id), Holder("demoted", slot_id))
+                self.ledger.move(buffer, holder, Holder("slot", slot_id))
                 self._demoted.append(
                     FreedSlot(slot_id, kind, pinned, slot.total_len, old, "demoted")
                 )
@@ -508,7 +511,7 @@ class OwnerState:
         Returns how many."""
         demoted, self._demoted = self._demoted, []
         for freed in demoted:
-            _move_out(self.ledger, freed, f"demoted:{freed.slot_id}", fx)
+            _move_out(self.ledger, freed, Holder("demoted", freed.slot_id), fx)
         return len(demoted)
 
     def clear(self, now: float, fx: Effects) -> int:
@@ -522,9 +525,9 @@ class OwnerState:
         for item in freed:
             self._bytes_end(item, now, fx)
         for item in parked:
-            _move_out(self.ledger, item, f"parked:{item.slot_id}", fx)
+            _move_out(self.ledger, item, Holder("parked", item.slot_id), fx)
         for _, _, item in self._grace:
-            _move_out(self.ledger, item, f"grace:{item.slot_id}", fx)
+            _move_out(self.ledger, item, Holder("grace", item.slot_id), fx)
         self._grace.clear()
         self.release_demoted(fx)
         return len(freed)
@@ -543,17 +546,17 @@ class OwnerState:
         buffer = freed.location if _is_buffer(freed.location) else None
         if self.reads.park(freed):
             if buffer is not None:
-                self.ledger.move(buffer, f"slot:{slot_id}", f"parked:{slot_id}")
+                self.ledger.move(buffer, Holder("slot", slot_id), Holder("parked", slot_id))
             return
         pulled = self._pulled_at.pop(slot_id, None)
         recent = pulled is not None and now < pulled + self.pull_grace_s
         if buffer is not None and freed.abandoned and recent:
             assert pulled is not None
-            self.ledger.move(buffer, f"slot:{slot_id}", f"grace:{slot_id}")
+            self.ledger.move(buffer, Holder("slot", slot_id), Holder("grace", slot_id))
             heapq.heappush(self._grace, (pulled + self.pull_grace_s, slot_id, freed))
             fx.poke = True
             return
-        _move_out(self.ledger, freed, f"slot:{slot_id}", fx)
+        _move_out(self.ledger, freed, Holder("slot", slot_id), fx)
 
     # --- invariants ------------------------------------------------------------------
 
@@ -571,7 +574,7 @@ class OwnerState:
         self._store.validate()
         expected: Holdings = {}
 
-        def add(location: object, holder: str) -> None:
+        def add(location: object, holder: Holder) -> None:
             if not _is_buffer(location):
                 return
             key = location.key
@@ -580,19 +583,19 @@ class OwnerState:
             expected[key] = holder
 
         for slot in self._store.slots():
-            add(slot.location, f"slot:{slot.slot_id}")
+            add(slot.location, Holder("slot", slot.slot_id))
         for freed in self.reads.parked():
-            add(freed.location, f"parked:{freed.slot_id}")
+            add(freed.location, Holder("parked", freed.slot_id))
         for _, _, freed in self._grace:
-            add(freed.location, f"grace:{freed.slot_id}")
+            add(freed.location, Holder("grace", freed.slot_id))
         for freed in self._demoted:
-            add(freed.location, f"demoted:{freed.slot_id}")
+            add(freed.location, Holder("demoted", freed.slot_id))
         self.ledger.check(HOLDS, expected)
         self.reads.check()
         self.writes.check(self.reads)
 
 
-def _move_out(ledger: BufferLedger, freed: FreedSlot, holder: str, fx: Effects) -> None:
+def _move_out(ledger: BufferLedger, freed: FreedSlot, holder: Holder, fx: Effects) -> None:
     """A freed slot's memory leaves ``holder``: a buffer back to its pool, a region's
     anchor released."""
     location = freed.location

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ray_velo.errors import StagingError
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import TypeHeader
-from ray_velo.state.ledger import Buffer, Effects, Holdings
+from ray_velo.state.ledger import Buffer, Effects, Holder, Holdings
 from ray_velo.state.owner import OwnerState
 from ray_velo.state.store import SlotKind
 
@@ -55,7 +55,7 @@ class Reservations:
         pending = Pending(buffer, kind, pinned, pid, self.owner.reserve_slot_id())
         pending.wants_rdma = wants_rdma
         if buffer is not None:
-            self.owner.ledger.hold(buffer, f"reservation:{rid}")
+            self.owner.ledger.hold(buffer, Holder("reservation", rid))
         self._pending[rid] = pending
         return rid, pending
 
@@ -89,7 +89,7 @@ class Reservations:
             raise StagingError(f"reservation {rid} is unknown or was reaped")
         try:
             slot = self.owner.stage(
-                pending.buffer, f"reservation:{rid}", nbytes, type_header, now, fx,
+                pending.buffer, Holder("reservation", rid), nbytes, type_header, now, fx,
                 kind=pending.kind, pinned=pending.pinned, ttl=ttl, refcount=refcount,
                 slot_id=pending.slot_id, job=job, detached=detached,
                 windowable=pending.wants_rdma and not pending.pinned,
@@ -115,7 +115,9 @@ class Reservations:
         del self._pending[rid]
         self.owner.forget_reserved(pending.slot_id, why)
         if pending.buffer is not None:
-            self.owner.ledger.give_back(pending.buffer, f"reservation:{rid}", pending.pinned, fx)
+            self.owner.ledger.give_back(
+                pending.buffer, Holder("reservation", rid), pending.pinned, fx
+            )
         return pending.slot_id
 
     def fill_begin(self, rid: int) -> Pending:
@@ -143,7 +145,7 @@ class Reservations:
         if pending is None or pending.buffer is None:
             return
         self.owner.forget_reserved(pending.slot_id, "a timed-out GET may still write it")
-        self.owner.ledger.quarantine(pending.buffer, pending.pinned, f"reservation:{rid}")
+        self.owner.ledger.quarantine(pending.buffer, pending.pinned, Holder("reservation", rid))
 
     def pids(self) -> set[int]:
         """The producing processes (the agent watches that they live)."""
@@ -181,5 +183,5 @@ class Reservations:
             if pending.fills < 0:
                 raise AssertionError(f"reservation {rid} has {pending.fills} fills")
             if pending.buffer is not None:
-                expected[pending.buffer.key] = f"reservation:{rid}"
+                expected[pending.buffer.key] = Holder("reservation", rid)
         self.owner.ledger.check(("reservation",), expected)

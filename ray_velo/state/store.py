@@ -46,8 +46,9 @@ import heapq
 import secrets
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypeVar
 
 from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
@@ -74,6 +75,7 @@ __all__ = [
     "Slot",
     "SlotKind",
     "SlotStore",
+    "SlotView",
     "StoreCounters",
     "SweepResult",
 ]
@@ -145,6 +147,46 @@ class Slot:
     def follows_job(self) -> bool:
         """Whether the handle ends when its job does."""
         return bool(self.job) and not self.detached
+
+
+class SlotView(Protocol):
+    """A slot as the store lends it out: read-only (only the store's methods change a slot),
+    and read under the lock the caller holds."""
+
+    @property
+    def slot_id(self) -> int: ...
+    @property
+    def total_len(self) -> int: ...
+    @property
+    def type_header(self) -> TypeHeader: ...
+    @property
+    def kind(self) -> SlotKind: ...
+    @property
+    def pinned(self) -> bool: ...
+    @property
+    def location(self) -> Location: ...
+    @property
+    def refcount(self) -> int: ...
+    @property
+    def ttl_deadline(self) -> float | None: ...
+    @property
+    def staged_at(self) -> float: ...
+    @property
+    def given(self) -> int: ...
+    @property
+    def claimed(self) -> int: ...
+    @property
+    def ended(self) -> str | None: ...
+    @property
+    def leases(self) -> AbstractSet[int]: ...
+    @property
+    def windowable(self) -> bool: ...
+    @property
+    def job(self) -> str: ...
+    @property
+    def detached(self) -> bool: ...
+    @property
+    def follows_job(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +340,17 @@ class SlotStore:
     def _gone(self, handle: DataHandle, reason: str) -> HandleNotFound:
         return HandleNotFound(handle=str(handle), node=self.node, reason=reason)
 
-    def held(self, handle: DataHandle) -> Slot:
+    def held(self, handle: DataHandle) -> SlotView:
         """The slot for ``handle`` while its bytes are held, ended handle or not (for the
         leases already granted on it). Raises HandleNotFound once its bytes are gone."""
+        return self._held(handle)
+
+    def slot(self, handle: DataHandle) -> SlotView:
+        """The slot of a live handle. Raises HandleNotFound (with the reason if known) once
+        the handle ended, even while leases still hold its bytes."""
+        return self._slot(handle)
+
+    def _held(self, handle: DataHandle) -> Slot:
         if handle.worker_id != self.worker_id:
             raise self._gone(handle, "issued by another agent incarnation (the owner restarted?)")
         slot = self._slots.get(handle.slot_id)
@@ -308,10 +358,8 @@ class SlotStore:
             raise self._gone(handle, self._tombstones.get(handle.slot_id, "never staged here"))
         return slot
 
-    def slot(self, handle: DataHandle) -> Slot:
-        """The slot of a live handle. Raises HandleNotFound (with the reason if known) once
-        the handle ended, even while leases still hold its bytes."""
-        slot = self.held(handle)
+    def _slot(self, handle: DataHandle) -> Slot:
+        slot = self._held(handle)
         if slot.ended is not None:
             raise self._gone(handle, slot.ended)
         return slot
@@ -325,7 +373,7 @@ class SlotStore:
 
     def metadata(self, handle: DataHandle) -> HandleMetadata:
         """Size, refcount and pinned of ``handle``'s slot. Raises HandleNotFound."""
-        slot = self.slot(handle)
+        slot = self._slot(handle)
         return HandleMetadata(size=slot.total_len, refcount=slot.refcount, pinned=slot.pinned)
 
     def lease(self, lease_id: int) -> Lease:
@@ -335,7 +383,7 @@ class SlotStore:
             raise LeaseNotFound(handle="?", lease_id=lease_id)
         return lease
 
-    def slots(self) -> Iterable[Slot]:
+    def slots(self) -> Iterable[SlotView]:
         """Every slot whose bytes are held (a live view: do not change the store meanwhile)."""
         return self._slots.values()
 
@@ -401,7 +449,7 @@ class SlotStore:
             HandleNotFound: the handle ended (or never was).
             HandleReleased: ``claim`` and every reference is claimed already.
         """
-        slot = self.slot(handle)
+        slot = self._slot(handle)
         if kind == "rdma" and timeout is None:
             raise ProtocolError("an RDMA lease always carries a deadline")
         if claim:
@@ -468,13 +516,13 @@ class SlotStore:
     def unclaim(self, handle: DataHandle) -> FreedSlot | None:
         """Give one claim back (its consumer will not consume it: a retried task, a dead
         resolver). A handle that ended meanwhile has nothing to give back to."""
-        slot = self.held(handle)
+        slot = self._held(handle)
         if slot.ended is None and slot.claimed > 0:
             slot.claimed -= 1
         return None
 
     def _lease_on(self, handle: DataHandle, lease_id: int) -> tuple[Slot, Lease]:
-        slot = self.held(handle)
+        slot = self._held(handle)
         lease = self._leases.get(lease_id)
         if lease is None or lease.slot_id != slot.slot_id:
             raise LeaseNotFound(handle=str(handle), lease_id=lease_id)
@@ -486,7 +534,7 @@ class SlotStore:
         if lease.timeout is not None:
             lease.deadline = now + lease.timeout
 
-    def pull(self, transfer_id: int, now: float) -> Slot:
+    def pull(self, transfer_id: int, now: float) -> SlotView:
         """A chunk pull on ``transfer_id`` (a chunked lease id): renews its deadline."""
         lease = self._leases.get(transfer_id)
         if lease is None or lease.kind == "rdma":
@@ -497,7 +545,7 @@ class SlotStore:
 
     def ref(self, handle: DataHandle) -> int:
         """One more reference, for one more consumer. Returns the new refcount."""
-        slot = self.slot(handle)
+        slot = self._slot(handle)
         slot.refcount += 1
         slot.given += 1
         return slot.refcount
@@ -527,7 +575,7 @@ class SlotStore:
         this consumer claimed. Returns the slot if its bytes may go now.
         """
         if lease_id == 0:
-            slot = self.held(handle)
+            slot = self._held(handle)
         else:
             slot, lease = self._lease_on(handle, lease_id)
             self._drop_lease(slot, lease)
@@ -758,13 +806,13 @@ class SlotStore:
     def end(self, handle: DataHandle, why: str) -> FreedSlot | None:
         """End a live handle now (e.g. its node-local copy's last reader is gone); its bytes
         go when its leases do. Returns the slot if they may go at once."""
-        slot = self.slot(handle)
+        slot = self._slot(handle)
         self._end(slot, why)
         return self._free_if_done(slot, why)
 
     def evict(self, handle: DataHandle, why: str) -> FreedSlot:
         """End a slot and drop every lease on it now (its memory went away, e.g. a region)."""
-        slot = self.held(handle)
+        slot = self._held(handle)
         if slot.ended is None:
             self._end(slot, why)
         for lease_id in list(slot.leases):

@@ -22,6 +22,7 @@ from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.staging.tree import TransferOptions
 from ray_velo.state.agent import AgentStates
 from ray_velo.state.consumer import KEPT_IDLE_S
+from ray_velo.state.ledger import Holder
 from ray_velo.state.owner import Effects
 from ray_velo.state.store import JOB_ENDED, TTL_EXPIRED, SlotStore
 from ray_velo.testing import AgentPair, FakeJobs
@@ -165,8 +166,8 @@ def test_a_jobs_memory_goes_back_after_the_pull_grace_and_reads_in_progress() ->
     assert owner.end_job(JOB_A, 5.2, fx) == 2
     state.validate()
     assert fx.free == []
-    assert ledger.holder_of(pulled_buf) == f"grace:{pulled.slot_id}"
-    assert ledger.holder_of(read_buf) == f"parked:{read.slot_id}"
+    assert ledger.holder_of(pulled_buf) == Holder("grace", pulled.slot_id)
+    assert ledger.holder_of(read_buf) == Holder("parked", read.slot_id)
     fx = Effects()
     owner.end_read(read.slot_id, 5.5, fx)
     assert [b for b, _ in fx.free] == [read_buf]

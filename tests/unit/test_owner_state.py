@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from ray_velo.errors import HandleNotFound, HandleReleased, StagingError
 from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.state.agent import AgentStates
+from ray_velo.state.ledger import Holder
 from ray_velo.state.owner import Effects, RegionSlot
 
 WORKER = 0xC0FFEE
@@ -50,7 +51,8 @@ def freed(fx: Effects) -> list[Buf]:
 
 
 def holder(state: AgentStates, buf: Buf) -> str | None:
-    return state.owner.ledger.holder_of(buf)
+    found = state.owner.ledger.holder_of(buf)
+    return None if found is None else str(found)  # "kind:id"
 
 
 def test_a_buffer_moves_reservation_slot_pool_once() -> None:
@@ -72,9 +74,9 @@ def test_a_double_give_back_is_caught() -> None:
     fid = state.consumer.fetch_take(buf, True)
     fx = Effects()
     state.consumer.fetch_give_back(fid, fx)
-    state.owner.ledger.hold(buf, "slot:99")  # someone else now holds the same memory
+    state.owner.ledger.hold(buf, Holder("slot", 99))  # someone else now holds the same memory
     with pytest.raises(AssertionError, match=r"double free|given back"):
-        state.owner.ledger.give_back(buf, f"fetch:{fid}", True, fx)
+        state.owner.ledger.give_back(buf, Holder("fetch", fid), True, fx)
 
 
 def test_quarantined_memory_never_goes_back() -> None:
@@ -140,7 +142,7 @@ def test_a_read_in_progress_parks_the_bytes() -> None:
     state = AgentStates.new(WORKER)
     owner, fx = state.owner, Effects()
     region = RegionSlot("region", "anchor", 0)  # type: ignore[arg-type]
-    slot = owner.stage(region, "", 8192, RAW, 0.0, fx, kind="region", pinned=True)
+    slot = owner.stage(region, None, 8192, RAW, 0.0, fx, kind="region", pinned=True)
     handle = DataHandle(WORKER, slot.slot_id)
     lease = owner.grant(handle, 0.0, kind="chunked")
     plan = owner.pull(lease.lease_id, 0, 4096, 0.0)

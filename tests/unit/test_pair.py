@@ -32,6 +32,7 @@ from ray_velo.protocol import (
     decode_acquire_response,
     encode,
 )
+from ray_velo.state.ledger import QUARANTINE
 from ray_velo.testing import AgentPair
 from ray_velo.testing.pair import default_config
 
@@ -169,7 +170,7 @@ def test_a_get_past_its_bound_is_quarantined_not_freed(pair: AgentPair) -> None:
         pair.fetch(handle, "detach", timeout=5.0)
     ledger = pair.consumer.core.state.ledger
     assert ledger.quarantined_bytes >= 2 * MiB
-    assert any(ledger.holder_of(buffer) == "quarantine" for buffer, _ in ledger.quarantined)
+    assert any(ledger.holder_of(buffer) == QUARANTINE for buffer, _ in ledger.quarantined)
     assert pair.owner.info()["live_leases"] == 0
     pair.validate()
     assert pair.fetch(handle) == payload(2 * MiB)

@@ -17,6 +17,7 @@ from ray_velo.errors import HandleNotFound, LeaseNotFound
 from ray_velo.protocol import DataHandle, TypeHeader
 from ray_velo.state.agent import AgentStates
 from ray_velo.state.consumer import KEPT_IDLE_S
+from ray_velo.state.ledger import QUARANTINE, Holder
 from ray_velo.state.owner import Effects
 from ray_velo.state.relays import CopySources, Relay
 from tests.unit.test_owner_state import (
@@ -93,7 +94,7 @@ def test_a_failed_fetch_keeps_its_bytes_for_the_node_reading_them() -> None:
     assert relay.landed == 2048
     fx = Effects()
     state.consumer.fetch_give_back(fid, fx)  # its GET failed
-    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == f"relayed:{fid}"
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == Holder("relayed", fid)
     state.validate()
     with pytest.raises(HandleNotFound):  # no new reader of a failed copy
         state.consumer.relay_join(REMOTE, 0.0, LEASE_S)
@@ -110,7 +111,7 @@ def test_a_copy_that_ends_while_read_keeps_its_bytes_until_the_read_ends() -> No
     slot = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE)
     fx = Effects()
     state.consumer.copy_ended(REMOTE, 0.1, fx)  # the owner ended the handle: the copy ends now
-    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == f"parked:{slot.slot_id}"
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == Holder("parked", slot.slot_id)
     state.validate()
     state.consumer.relay_leave(REMOTE, lease_id, 0.2, fx)
     assert freed(fx) == [Buf(1)]
@@ -144,7 +145,7 @@ def test_a_quarantined_copy_is_read_to_its_landed_bytes_and_never_given_back() -
     state.consumer.fetch_quarantine(fid)  # a GET into it timed out: it may still be written
     fx = Effects()
     state.consumer.relay_leave(REMOTE, lease_id, 0.1, fx)
-    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == "quarantine"
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == QUARANTINE
     state.validate()
 
 
