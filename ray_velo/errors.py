@@ -133,6 +133,15 @@ class HandleNotFound(HandleError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return self.message
 
+    @property
+    def released(self) -> bool:
+        """Whether its consumers released it: it was used as often as it allowed."""
+        return self.fields.get("reason") == RELEASED_BY_CONSUMERS
+
+
+#: The ``reason`` of a HandleNotFound whose last reference was released.
+RELEASED_BY_CONSUMERS = "released by its last consumer"
+
 
 class HandleReleased(HandleError):
     """A single-use (or N-use) handle was resolved more times than allowed.

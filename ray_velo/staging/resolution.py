@@ -17,7 +17,6 @@ from ray_velo.errors import HandleNotFound, HandleReleased
 from ray_velo.local.records import LocalLease
 from ray_velo.protocol import DataHandle
 from ray_velo.staging.tree import PackedPart, StagedValue, TransferOptions, visit, walk
-from ray_velo.state.store import RELEASED_BY_CONSUMERS
 
 _T = TypeVar("_T")
 
@@ -154,7 +153,7 @@ class Resolution:
         except HandleReleased as exc:
             raise _released(staged) from exc
         except HandleNotFound as exc:
-            if exc.fields.get("reason") == RELEASED_BY_CONSUMERS:
+            if exc.released:
                 raise _released(staged) from exc
             raise
         if self.mode == "claim":

@@ -50,7 +50,13 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypeVar
 
-from ray_velo.errors import HandleNotFound, HandleReleased, LeaseNotFound, ProtocolError
+from ray_velo.errors import (
+    RELEASED_BY_CONSUMERS,
+    HandleNotFound,
+    HandleReleased,
+    LeaseNotFound,
+    ProtocolError,
+)
 from ray_velo.protocol.handle import U64_MAX, DataHandle, HandleMetadata
 from ray_velo.protocol.ids import ID_KEY_BYTES, IdSequence
 from ray_velo.protocol.messages import TypeHeader
@@ -83,8 +89,6 @@ __all__ = [
 SlotKind = Literal["empty", "plain", "pooled", "dedicated", "region"]
 LeaseKind = Literal["rdma", "chunked", "local"]
 
-#: Why a handle whose last reference was released is gone (HandleNotFound.reason).
-RELEASED_BY_CONSUMERS = "released by its last consumer"
 TTL_EXPIRED = "its TTL expired"
 JOB_ENDED = "its job ended"
 #: How many ended slot ids the store remembers, to say *why* a handle is gone.
