@@ -33,7 +33,7 @@ from ray_velo.local.regions import RegionService
 from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segments
 from ray_velo.owner.service import OwnerService
 from ray_velo.protocol import DataHandle, kill_switch_engaged
-from ray_velo.protocol.entry import BY_NAME, Entry
+from ray_velo.protocol.entry import Entry
 from ray_velo.state.fetch import Mode
 from ray_velo.state.owner import OwnerState, RegionSlot
 from ray_velo.ucx.backend import UcxRdmaBackend
@@ -382,18 +382,6 @@ class RendezvousAgent:
         self._faults.arm(name, value, with_rdma=self.core.rdma is not None)
 
     # --- entry points --------------------------------------------------------------
-
-    def entry(self, name: str) -> Callable[..., Any]:
-        """The method that serves entry point ``name`` (declared in :mod:`ray_velo.protocol.entry`:
-        a role's method, or one of the agent's own).
-
-        Raises:
-            ValueError: no entry point has that name.
-        """
-        declared = BY_NAME.get(name)
-        if declared is None:
-            raise ValueError(f"unknown entry point {name!r}")
-        return self.serve(declared)
 
     def serve(self, entry: Entry) -> Callable[..., Any]:
         """The method that serves ``entry`` here (:meth:`Entry.served_by`)."""

@@ -111,7 +111,9 @@ def test_a_copy_that_ends_while_read_keeps_its_bytes_until_the_read_ends() -> No
     slot = state.consumer.fetch_stage(fid, 4096, RAW, "pooled", 0.0, Effects(), copy_of=REMOTE)
     fx = Effects()
     state.consumer.copy_ended(REMOTE, 0.1, fx)  # the owner ended the handle: the copy ends now
-    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == Holder("parked", slot.slot_id)
+    assert freed(fx) == [] and state.owner.ledger.holder_of(Buf(1)) == Holder(
+        "parked", slot.slot_id
+    )
     state.validate()
     state.consumer.relay_leave(REMOTE, lease_id, 0.2, fx)
     assert freed(fx) == [Buf(1)]

@@ -25,6 +25,7 @@ import numpy as np
 
 from ray_velo.errors import ProtocolError
 from ray_velo.protocol import messages
+from ray_velo.protocol.entry import BY_NAME
 from ray_velo.protocol.frames import HEADER, WIRE_METHODS, decode_answer, encode_request
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.handshake import (
@@ -173,7 +174,7 @@ def test_an_agents_frames_reach_only_the_owners_own_errors(tmp_path: Path) -> No
         agent = pair.owner
 
         async def dispatch(method: str, message: bytes) -> Any:
-            return await asyncio.to_thread(agent.entry(method), message)
+            return await asyncio.to_thread(agent.serve(BY_NAME[method]), message)
 
         server = WireServer("127.0.0.1", dispatch, WireAuth(SECRET))
         rng = random.Random(26)
