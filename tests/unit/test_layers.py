@@ -108,3 +108,40 @@ def test_the_contract_catches_an_upward_import(tmp_path: pathlib.Path) -> None:
         "from ray_velo import api\n"
     )
     assert imported_units(source) == {"agent": 3, "client": 5, "api": 6}
+
+
+def facade_slips(source: str) -> list[str]:
+    """Each ``rv.X`` in ``source`` (``rv`` an alias of ``import ray_velo``) where X is no public
+    name of the facade, no dunder, and no module the source imports by its full name."""
+    tree = ast.parse(source)
+    aliases, modules = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "ray_velo":
+                    aliases.add(alias.asname or "ray_velo")
+                elif alias.name.startswith("ray_velo.") and alias.asname is None:
+                    modules.add(alias.name.split(".")[1])
+    return [
+        f"{node.lineno}: {node.value.id}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+        and node.attr not in ray_velo.__all__
+        and not node.attr.startswith("__")
+        and node.attr not in modules
+    ]
+
+
+def test_the_facade_is_reached_only_for_its_public_names() -> None:
+    """``rv.X`` names a public name of ``ray_velo`` (its ``__all__``), a dunder, or a module
+    the file imports by its full name: the facade's lazy ``__getattr__`` returns ``Any`` to
+    mypy, so ``rv.session`` (a module that moved) type-checked and failed only at run time."""
+    repo = ROOT.parent
+    files = [*ROOT.rglob("*.py"), *(ROOT / "actors").resolve().rglob("*.py")]
+    files += [*(repo / "tests").rglob("*.py"), *(repo / "examples").rglob("*.py")]
+    offenders = {str(p): found for p in files if (found := facade_slips(p.read_text()))}
+    assert not offenders, offenders
+    probe = "import ray_velo as rv\nimport ray_velo.cli\nrv.session.current(); rv.put(1); ray_velo.cli\n"
+    assert facade_slips(probe) == ["3: rv.session"]

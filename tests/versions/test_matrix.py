@@ -68,7 +68,7 @@ def test_the_smoke_passes_on_every_claimed_ray(version: str | None, auth: str) -
     lines = [line for line in done.stdout.splitlines() if line.startswith("SMOKE ")]
     assert lines, f"the smoke exited {done.returncode}:\n{done.stderr[-3000:]}"
     result = json.loads(lines[-1][len("SMOKE ") :])
-    ray_version = version or ray_velo._ray.version_text()
+    ray_version = version or _ray.version_text()
     assert result["ray"] == ray_version
     has_rdt = _ray._parse(ray_version) >= _ray.RDT_MIN_VERSION
     expected_auth = "none" if _ray._parse(ray_version) < (2, 52, 0) else auth
