@@ -447,10 +447,9 @@ class ArenaPool:
         if not may_map:
             if dedicated:  # a warm arena is already mapped and registered: take it
                 with self._lock:
-                    warm = None if self._closed else self._take_warm(page_round_up(nbytes))
-                    if warm is not None:
-                        self._records[warm.arena.path] = warm
-                        return Placement(warm.arena, 0, nbytes, None, True, warm.registration)
+                    warm = None if self._closed else self._take_warm(nbytes)
+                if warm is not None:
+                    return warm
             what = "needs a dedicated arena" if dedicated else "fits no mapped arena"
             return Fallback("pool_exhausted", nbytes, f"{what}, and this caller may not map one")
         with self._map_lock:
@@ -476,11 +475,8 @@ class ArenaPool:
             if self._closed:
                 return Fallback("pool_exhausted", nbytes, "pool closed")
             if dedicated:
-                warm = self._take_warm(page_round_up(nbytes))
-                if warm is None:
-                    return page_round_up(nbytes)
-                self._records[warm.arena.path] = warm
-                return Placement(warm.arena, 0, nbytes, None, True, warm.registration)
+                warm = self._take_warm(nbytes)
+                return page_round_up(nbytes) if warm is None else warm
             placed = self._place(nbytes, granules)
             return placed if placed is not None else self._next_arena_bytes(granules)
 
@@ -493,7 +489,8 @@ class ArenaPool:
         with self._lock:
             if self._budget.reserve(size, reclaim=False):
                 return True
-            evicted = self._evict_warm_for(size) or []
+            short = size - self._budget.available_bytes
+            evicted = self._take_warm_victims(short, all_or_nothing=True) or []
         for record in evicted:
             self._unmap(record)
         return bool(evicted) and self._budget.reserve(size, reclaim=False)
@@ -670,11 +667,7 @@ class ArenaPool:
             _check(record.empty_since is None, f"dedicated arena {path} marked empty")
         else:
             _check(id(record) in pooled_ids, f"pooled arena {path} is not listed")
-            allocator.validate()
-            _check(
-                allocator.used_granules + allocator.free_granules == allocator.size,
-                f"arena {path}: used + free != size",
-            )
+            allocator.validate()  # its own books, used + free == size among them
             _check(
                 allocator.size * GRANULE_BYTES == arena.nbytes,
                 f"arena {path}: allocator covers {allocator.size} granules",
@@ -826,22 +819,18 @@ class ArenaPool:
         with self._lock:
             return any(size <= r.arena.nbytes <= size + size // 8 for r in self._warm)
 
-    def _take_warm(self, size: int) -> _ArenaRecord | None:
-        # _lock held. The smallest warm arena that holds `size` with at most 1/8 to spare
-        # (the allocator's own bound on round-up waste).
+    def _take_warm(self, nbytes: int) -> Placement | None:
+        # _lock held. Place `nbytes` in the smallest warm arena that holds them with at most
+        # 1/8 to spare (the allocator's own bound on round-up waste), live again.
+        size = page_round_up(nbytes)
         fits = [r for r in self._warm if size <= r.arena.nbytes <= size + size // 8]
         if not fits:
             return None
         record = min(fits, key=lambda r: r.arena.nbytes)
         self._warm.remove(record)
         record.empty_since = None
-        return record
-
-    def _evict_warm_for(self, size: int) -> list[_ArenaRecord] | None:
-        # _lock held, the budget refused `size`. Warm arenas (oldest first) whose release
-        # would make room; None (and none taken) if even all of them would not.
-        assert self._budget is not None
-        return self._take_warm_victims(size - self._budget.available_bytes, all_or_nothing=True)
+        self._records[record.arena.path] = record
+        return Placement(record.arena, 0, nbytes, None, True, record.registration)
 
     def _take_warm_victims(self, short: int, *, all_or_nothing: bool) -> list[_ArenaRecord] | None:
         # _lock held. Take warm arenas, oldest first, until `short` bytes of budget are

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from types import TracebackType
 from typing import Final, TypeAlias
 
 from ray_velo.errors import BudgetExceeded, RegionDeregistered
@@ -118,12 +117,7 @@ class InFlight:
     def __enter__(self) -> InFlight:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import abc
 import logging
-import mmap
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Final
 
 from ray_velo.errors import ConfigError, UcxError
+from ray_velo.memory.pool import page_range
 from ray_velo.protocol.memtype import SUPPORTED_MEMORY_TYPES, MemoryType
 from ray_velo.ucx.loader import (
     Binding,
@@ -82,25 +83,49 @@ def _leak(obj: object, what: str) -> None:
     _log.error("ray_velo.ucx: %s; its UCX state is leaked on purpose", what)
 
 
+def _error(operation: str, status: int, why: str) -> UcxError:
+    return UcxError(operation=operation, status=int(status), status_text=why)
+
+
+def _leaked_error(obj: object, what: str, operation: str, why: str) -> UcxError:
+    """Leak ``obj`` (see :func:`_leak`); the UCS_ERR_BUSY error that says so."""
+    _leak(obj, what)
+    return _error(operation, UcsStatus.ERR_BUSY, why)
+
+
 def _check_not_forked(operation: str) -> None:
     if forked_after_load():
-        raise UcxError(
-            operation=operation,
-            status=int(UcsStatus.ERR_UNSUPPORTED),
-            status_text="UCX was loaded before this process forked; use the spawn start method",
+        raise _error(
+            operation,
+            UcsStatus.ERR_UNSUPPORTED,
+            "UCX was loaded before this process forked; use the spawn start method",
         )
 
 
 def _closed_error(operation: str, what: str) -> UcxError:
-    return UcxError(
-        operation=operation,
-        status=int(UcsStatus.ERR_INVALID_PARAM),
-        status_text=f"{what} is closed",
-    )
+    return _invalid(operation, f"{what} is closed")
 
 
 def _invalid(operation: str, why: str) -> UcxError:
-    return UcxError(operation=operation, status=int(UcsStatus.ERR_INVALID_PARAM), status_text=why)
+    return _error(operation, UcsStatus.ERR_INVALID_PARAM, why)
+
+
+def _drain(
+    cond: threading.Condition,
+    idle: Callable[[], bool],
+    endpoint: Endpoint | None = None,
+    why: str = "",
+) -> bool:
+    """Wait up to DEFAULT_CLOSE_TIMEOUT_S for ``idle``; if it still is not, force-close
+    ``endpoint`` (its requests then complete CANCELED) and wait up to ABORT_GRACE_S more."""
+    with cond:
+        if cond.wait_for(idle, DEFAULT_CLOSE_TIMEOUT_S):
+            return True
+    if endpoint is None:
+        return False
+    endpoint._abort(int(UcsStatus.ERR_CANCELED), why)
+    with cond:
+        return cond.wait_for(idle, ABORT_GRACE_S)
 
 
 def _check_u64(operation: str, name: str, value: int) -> None:
@@ -143,9 +168,13 @@ class _Node(abc.ABC):
     """Shared lifetime bookkeeping: open children, idempotent ordered close."""
 
     _kind = "object"
+    _b: Binding
 
-    def __init__(self) -> None:
+    def __init__(self, parent: _Node | None) -> None:
         _check_not_forked(f"create {self._kind}")
+        self._parent = parent
+        if parent is not None:
+            self._b = parent._b
         self._lock = threading.Lock()
         self._open = True
         self._closing = False
@@ -159,12 +188,24 @@ class _Node(abc.ABC):
             raise _closed_error(operation, f"the parent {self._kind}")
         self._children[id(child)] = child
 
+    def _create_child(
+        self, child: _Node, operation: str, out_type: str, create: Any, *args: Any
+    ) -> Any:
+        """Adopt ``child`` and run ``create(*args, out)`` under this node's lock; the new UCX
+        handle. On failure the child is forgotten again (nothing was created)."""
+        out = self._b.ffi.new(out_type)
+        with self._lock:
+            self._adopt(child, operation)
+            try:
+                check_status(create(*args, out), operation)
+            except BaseException:
+                self._children.pop(id(child), None)
+                raise
+        return out[0]
+
     def _forget(self, child: _Node) -> None:
         with self._lock:
             self._children.pop(id(child), None)
-
-    def _children_in_close_order(self, children: list[_Node]) -> list[_Node]:
-        return list(reversed(children))
 
     # -- close ---------------------------------------------------------------------------
 
@@ -190,7 +231,12 @@ class _Node(abc.ABC):
                 self._open = False
                 return
         first: UcxError | None = None
-        for child in self._children_in_close_order(children):
+        # Newest first, and a context's registrations before its workers (so before their
+        # endpoints: docs/protocol.md §18).
+        registrations_first = sorted(
+            reversed(children), key=lambda c: not isinstance(c, MemoryRegistration)
+        )
+        for child in registrations_first:
             try:
                 child.close()
             except UcxError as exc:
@@ -210,9 +256,9 @@ class _Node(abc.ABC):
     def _release(self) -> None:
         """Free this object's own UCX resource (its children are already closed)."""
 
-    @abc.abstractmethod
     def _detach_from_parent(self) -> None:
-        """Drop the parent's reference to this child."""
+        if self._parent is not None:
+            self._parent._forget(self)
 
     def __enter__(self) -> Any:
         return self
@@ -241,9 +287,9 @@ class UcxContext(_Node):
     _kind = "UCX context"
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
-        super().__init__()
+        super().__init__(None)
         self.options: dict[str, str] = _normalize_options(options or {})
-        self._b: Binding = load_binding()
+        self._b = load_binding()
         ffi, lib = self._b
         self.version: tuple[int, int, int] = ucx_version()
 
@@ -266,26 +312,17 @@ class UcxContext(_Node):
             lib.ucp_config_release(config_p[0])
         self._handle: Any = context_p[0]
 
-    def _children_in_close_order(self, children: list[_Node]) -> list[_Node]:
-        # Regions before endpoints (docs/protocol.md §18), newest first within each kind.
-        regs = [c for c in reversed(children) if isinstance(c, MemoryRegistration)]
-        rest = [c for c in reversed(children) if not isinstance(c, MemoryRegistration)]
-        return regs + rest
-
     def _release(self) -> None:
         with self._lock:
             leaked = any(isinstance(c, UcxWorker) and c._leaked for c in self._children.values())
         if leaked:
-            _leak(self, "a worker of this UCX context could not be destroyed")
-            raise UcxError(
-                operation="ucp_cleanup",
-                status=int(UcsStatus.ERR_BUSY),
-                status_text="a worker could not be stopped; the context is leaked",
+            raise _leaked_error(
+                self,
+                "a worker of this UCX context could not be destroyed",
+                "ucp_cleanup",
+                "a worker could not be stopped; the context is leaked",
             )
         self._b.lib.ucp_cleanup(self._handle)
-
-    def _detach_from_parent(self) -> None:
-        pass
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -318,12 +355,21 @@ class UcxWorker(_Node):
         blocking: bool = True,
         idle_wakeup_s: float | None = 1.0,
     ) -> None:
-        super().__init__()
+        super().__init__(context)
         self.context = context
-        self._b = context._b
         ffi, lib = self._b
         self._leaked = False
-        self._handle: Any = self._create_worker(context)
+        params = ffi.new("ucp_worker_params_t *")
+        params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+        params.thread_mode = lib.UCS_THREAD_MODE_MULTI
+        self._handle: Any = context._create_child(
+            self,
+            "ucp_worker_create",
+            "ucp_worker_h *",
+            lib.ucp_worker_create,
+            context._handle,
+            params,
+        )
         try:
             self._check_thread_mode()
             self.address: bytes = self._worker_address()
@@ -334,31 +380,10 @@ class UcxWorker(_Node):
 
         self._stop_cell: Any = ffi.new("int *", 0)
         self._wakeups: Any = ffi.new("uint64_t *", 0)
-        self._progress_status: int | None = None
         self._thread: threading.Thread | None = None
         self.blocking = blocking
         if progress_thread:
             self._start_progress_thread(blocking, idle_wakeup_s)
-
-    def _create_worker(self, context: UcxContext) -> Any:
-        """``ucp_worker_create`` in MULTI thread mode, adopted by ``context``; the handle.
-
-        On failure the context forgets this worker again (nothing was created)."""
-        ffi, lib = self._b
-        with context._lock:
-            context._adopt(self, "ucp_worker_create")
-            try:
-                params = ffi.new("ucp_worker_params_t *")
-                params.field_mask = lib.UCP_WORKER_PARAM_FIELD_THREAD_MODE
-                params.thread_mode = lib.UCS_THREAD_MODE_MULTI
-                worker_p = ffi.new("ucp_worker_h *")
-                check_status(
-                    lib.ucp_worker_create(context._handle, params, worker_p), "ucp_worker_create"
-                )
-            except BaseException:
-                context._children.pop(id(self), None)
-                raise
-        return worker_p[0]
 
     def _check_thread_mode(self) -> None:
         """Raise unless UCX granted MULTI thread mode (it may quietly grant less)."""
@@ -367,13 +392,11 @@ class UcxWorker(_Node):
         attr.field_mask = lib.UCP_WORKER_ATTR_FIELD_THREAD_MODE
         check_status(lib.ucp_worker_query(self._handle, attr), "ucp_worker_query")
         if attr.thread_mode != lib.UCS_THREAD_MODE_MULTI:
-            raise UcxError(
-                operation="ucp_worker_create",
-                status=int(UcsStatus.ERR_UNSUPPORTED),
-                status_text=(
-                    f"thread mode MULTI not granted (got {int(attr.thread_mode)}): "
-                    "this UCX was built without --enable-mt"
-                ),
+            raise _error(
+                "ucp_worker_create",
+                UcsStatus.ERR_UNSUPPORTED,
+                f"thread mode MULTI not granted (got {int(attr.thread_mode)}): "
+                "this UCX was built without --enable-mt",
             )
 
     def _worker_address(self) -> bytes:
@@ -406,7 +429,6 @@ class UcxWorker(_Node):
                 self._handle, self._stop_cell, blocking, wakeup_ms, self._wakeups
             )
         )
-        self._progress_status = status
         if status != UcsStatus.OK:
             _log.error("ray_velo.ucx: progress thread ended: %s", status_text(status))
 
@@ -451,17 +473,17 @@ class UcxWorker(_Node):
         # peer-side close handshake over tcp can progress; only then is the thread stopped.
         if not self._stop_progress_thread(DEFAULT_CLOSE_TIMEOUT_S):
             self._leaked = True
-            _leak(self, "the UCX progress thread did not stop")  # with its endpoints' error cells
-            raise UcxError(
-                operation="ucp_worker_destroy",
-                status=int(UcsStatus.ERR_BUSY),
-                status_text="the progress thread did not stop; the worker is leaked",
+            raise _leaked_error(
+                self,  # with its endpoints' error cells
+                "the UCX progress thread did not stop",
+                "ucp_worker_destroy",
+                "the progress thread did not stop; the worker is leaked",
             )
         self._b.lib.ucp_worker_destroy(self._handle)
 
     def _detach_from_parent(self) -> None:
-        if not self._leaked:
-            self.context._forget(self)
+        if not self._leaked:  # a leaked worker stays its context's child: see UcxContext
+            super()._detach_from_parent()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -487,9 +509,8 @@ class Endpoint(_Node):
     _kind = "UCX endpoint"
 
     def __init__(self, worker: UcxWorker, remote_address: bytes) -> None:
-        super().__init__()
+        super().__init__(worker)
         self.worker = worker
-        self._b = worker._b
         ffi, lib = self._b
         address = bytes(remote_address)
         if not 0 < len(address) <= MAX_WORKER_ADDRESS_BYTES:
@@ -498,35 +519,25 @@ class Endpoint(_Node):
         self._inflight = 0
         self._ucp_closed = False  # the UCX endpoint is gone (closed or aborted)
         self._error_cell: Any = ffi.new("int *", 0)
-        with worker._lock:
-            worker._adopt(self, "ucp_ep_create")
-            try:
-                address_buf = ffi.from_buffer(address)
-                params = ffi.new("ucp_ep_params_t *")
-                params.field_mask = (
-                    lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                    | lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                    | lib.UCP_EP_PARAM_FIELD_ERR_HANDLER
-                )
-                params.address = ffi.cast("const ucp_address_t *", address_buf)
-                params.err_mode = lib.UCP_ERR_HANDLING_MODE_PEER
-                params.err_handler.cb = ffi.addressof(lib, "rv_ep_error_cb")
-                params.err_handler.arg = self._error_cell
-                ep_p = ffi.new("ucp_ep_h *")
-                check_status(lib.ucp_ep_create(worker._handle, params, ep_p), "ucp_ep_create")
-            except BaseException:
-                worker._children.pop(id(self), None)
-                raise
-        self._handle: Any = ep_p[0]
+        address_buf = ffi.from_buffer(address)
+        params = ffi.new("ucp_ep_params_t *")
+        params.field_mask = (
+            lib.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | lib.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | lib.UCP_EP_PARAM_FIELD_ERR_HANDLER
+        )
+        params.address = ffi.cast("const ucp_address_t *", address_buf)
+        params.err_mode = lib.UCP_ERR_HANDLING_MODE_PEER
+        params.err_handler.cb = ffi.addressof(lib, "rv_ep_error_cb")
+        params.err_handler.arg = self._error_cell
+        self._handle: Any = worker._create_child(
+            self, "ucp_ep_create", "ucp_ep_h *", lib.ucp_ep_create, worker._handle, params
+        )
 
     @property
     def error_status(self) -> int:
         """0 while healthy; else the first failure status (a ``UcsStatus`` value)."""
         return int(self._b.lib.rv_cell_load(self._error_cell))
-
-    def _record_error(self, status: int) -> None:
-        # Same first-failure-wins rule as the C callback (which this reuses).
-        self._b.lib.rv_ep_error_cb(self._error_cell, self._b.ffi.NULL, status)
 
     def _check_usable(self, operation: str) -> None:
         # Caller holds self._lock. A failed endpoint reports its failure, not just "closed".
@@ -534,13 +545,14 @@ class Endpoint(_Node):
             raise _closed_error(operation, self._kind)
         status = self.error_status
         if status != UcsStatus.OK:
-            raise UcxError(
-                operation=operation,
-                status=status,
-                status_text=f"endpoint failed earlier: {status_text(status)}",
-            )
+            raise _error(operation, status, f"endpoint failed earlier: {status_text(status)}")
         if self._ucp_closed:
             raise _closed_error(operation, self._kind)
+
+    def _adopt(self, child: _Node, operation: str) -> None:
+        # Caller holds self._lock. A remote key needs a usable endpoint, not just an open one.
+        self._check_usable(operation)
+        super()._adopt(child, operation)
 
     def _abort(self, status: int, why: str) -> None:
         """Force-close the UCX endpoint now: its outstanding requests complete CANCELED.
@@ -554,7 +566,8 @@ class Endpoint(_Node):
             if self._ucp_closed:
                 return
             self._ucp_closed = True
-        self._record_error(status)
+        # Same first-failure-wins rule as the C callback (which this reuses).
+        self._b.lib.rv_ep_error_cb(self._error_cell, self._b.ffi.NULL, status)
         _log.warning("ray_velo.ucx: force-closing endpoint: %s", why)
         self._close_ucp()
 
@@ -568,28 +581,18 @@ class Endpoint(_Node):
         status = int(lib.rv_request_wait(self.worker._handle, request, -1.0, ABORT_GRACE_S))
         if status == UcsStatus.ERR_TIMED_OUT:
             _leak((self._error_cell, request), "an endpoint close did not complete")
-            raise UcxError(
-                operation="ucp_ep_close_nbx",
-                status=status,
-                status_text="force close did not complete; the endpoint is leaked",
+            raise _error(
+                "ucp_ep_close_nbx", status, "force close did not complete; the endpoint is leaked"
             )
 
     def _release(self) -> None:
         # Remote keys are closed already (children first); wait for GETs still in flight.
-        with self._cond:
-            drained = self._cond.wait_for(lambda: self._inflight == 0, DEFAULT_CLOSE_TIMEOUT_S)
-        if not drained:
-            self._abort(int(UcsStatus.ERR_CANCELED), "closed with GETs in flight")
-            with self._cond:
-                self._cond.wait_for(lambda: self._inflight == 0, ABORT_GRACE_S)
+        _drain(self._cond, lambda: self._inflight == 0, self, "closed with GETs in flight")
         with self._lock:
             if self._ucp_closed:
                 return
             self._ucp_closed = True
         self._close_ucp()
-
-    def _detach_from_parent(self) -> None:
-        self.worker._forget(self)
 
     def transports(self) -> list[tuple[str, str]]:
         """The ``(transport, device)`` pairs this endpoint's lanes use (``ucp_ep_query``),
@@ -693,9 +696,8 @@ class MemoryRegistration(_Node):
         remote_write: bool,
         memory_type: MemoryType,
     ) -> None:
-        super().__init__()
+        super().__init__(context)
         self.context = context
-        self._b = context._b
         ffi, lib = self._b
         _check_u64("ucp_mem_map", "address", address)
         if not isinstance(nbytes, int) or not 0 < nbytes <= _U64_MAX - address:
@@ -707,33 +709,27 @@ class MemoryRegistration(_Node):
         self._cond = threading.Condition(self._lock)
         self._inflight = 0
         self._unmapped = False
-        with context._lock:
-            context._adopt(self, "ucp_mem_map")
-            try:
-                params = ffi.new("ucp_mem_map_params_t *")
-                params.field_mask = (
-                    lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-                    | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH
-                    | lib.UCP_MEM_MAP_PARAM_FIELD_PROT
-                    | lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
-                )
-                params.address = ffi.cast("void *", address)
-                params.length = nbytes
-                params.prot = (
-                    lib.UCP_MEM_MAP_PROT_LOCAL_READ
-                    | lib.UCP_MEM_MAP_PROT_LOCAL_WRITE
-                    | lib.UCP_MEM_MAP_PROT_REMOTE_READ
-                    | (lib.UCP_MEM_MAP_PROT_REMOTE_WRITE if remote_write else 0)
-                )
-                # Said, not detected: detection costs a driver query per map, and a host
-                # buffer must never be taken for device memory. UCX's enum numbers are ABI.
-                params.memory_type = int(memory_type)
-                memh_p = ffi.new("ucp_mem_h *")
-                check_status(lib.ucp_mem_map(context._handle, params, memh_p), "ucp_mem_map")
-            except BaseException:
-                context._children.pop(id(self), None)
-                raise
-        self._handle: Any = memh_p[0]
+        params = ffi.new("ucp_mem_map_params_t *")
+        params.field_mask = (
+            lib.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | lib.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | lib.UCP_MEM_MAP_PARAM_FIELD_PROT
+            | lib.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        )
+        params.address = ffi.cast("void *", address)
+        params.length = nbytes
+        params.prot = (
+            lib.UCP_MEM_MAP_PROT_LOCAL_READ
+            | lib.UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | lib.UCP_MEM_MAP_PROT_REMOTE_READ
+            | (lib.UCP_MEM_MAP_PROT_REMOTE_WRITE if remote_write else 0)
+        )
+        # Said, not detected: detection costs a driver query per map, and a host buffer must
+        # never be taken for device memory. UCX's enum numbers are ABI.
+        params.memory_type = int(memory_type)
+        self._handle: Any = context._create_child(
+            self, "ucp_mem_map", "ucp_mem_h *", lib.ucp_mem_map, context._handle, params
+        )
         try:
             self.packed_rkey: bytes = self._pack()
             self.effective_range: tuple[int, int] = self._query_range()
@@ -754,20 +750,20 @@ class MemoryRegistration(_Node):
         finally:
             lib.ucp_rkey_buffer_release(buffer_p[0])
         if len(packed) > PACKED_RKEY_MAX_BYTES:
-            raise UcxError(
-                operation="ucp_rkey_pack",
-                status=int(UcsStatus.ERR_EXCEEDS_LIMIT),
-                status_text=f"packed rkey of {len(packed)} bytes is over {PACKED_RKEY_MAX_BYTES}",
+            raise _error(
+                "ucp_rkey_pack",
+                UcsStatus.ERR_EXCEEDS_LIMIT,
+                f"packed rkey of {len(packed)} bytes is over {PACKED_RKEY_MAX_BYTES}",
             )
         try:
             # The key must say the type we asked for: a UCX without CUDA support would pack
             # device memory under another type, and peers would mis-handle the bytes.
             parse_packed_rkey(packed, memory_types=frozenset({self.memory_type}))
         except ValueError as exc:  # DescriptorError: this UCX packs a layout we cannot check
-            raise UcxError(
-                operation="ucp_rkey_pack",
-                status=int(UcsStatus.ERR_UNSUPPORTED),
-                status_text=f"this UCX packs keys the pre-parse refuses: {exc}",
+            raise _error(
+                "ucp_rkey_pack",
+                UcsStatus.ERR_UNSUPPORTED,
+                f"this UCX packs keys the pre-parse refuses: {exc}",
             ) from exc
         return packed
 
@@ -777,10 +773,7 @@ class MemoryRegistration(_Node):
         attr.field_mask = lib.UCP_MEM_ATTR_FIELD_ADDRESS | lib.UCP_MEM_ATTR_FIELD_LENGTH
         check_status(lib.ucp_mem_query(self._handle, attr), "ucp_mem_query")
         # (start, end) of what is pinned, in whole pages: the Registration protocol's form
-        address = int(ffi.cast("uintptr_t", attr.address))
-        end = address + int(attr.length)
-        page = mmap.PAGESIZE
-        return address - address % page, -(-end // page) * page
+        return page_range(int(ffi.cast("uintptr_t", attr.address)), int(attr.length))
 
     def _unmap_now(self) -> None:
         status = int(self._b.lib.ucp_mem_unmap(self.context._handle, self._handle))
@@ -816,19 +809,14 @@ class MemoryRegistration(_Node):
         self.close()
 
     def _release(self) -> None:
-        with self._cond:
-            drained = self._cond.wait_for(lambda: self._inflight == 0, DEFAULT_CLOSE_TIMEOUT_S)
-        if not drained:
-            _leak(self, "a registration was closed with GETs still writing into it")
-            raise UcxError(
-                operation="ucp_mem_unmap",
-                status=int(UcsStatus.ERR_BUSY),
-                status_text="GETs into this memory are still in flight; it stays mapped",
+        if not _drain(self._cond, lambda: self._inflight == 0):
+            raise _leaked_error(
+                self,
+                "a registration was closed with GETs still writing into it",
+                "ucp_mem_unmap",
+                "GETs into this memory are still in flight; it stays mapped",
             )
         self._unmap_now()
-
-    def _detach_from_parent(self) -> None:
-        self.context._forget(self)
 
     def __repr__(self) -> str:
         state = "mapped" if self.mapped else "unmapped"
@@ -857,46 +845,31 @@ class RemoteKey(_Node):
         packed: bytes,
         memory_types: frozenset[MemoryType] = HOST_MEMORY_ONLY,
     ) -> None:
-        super().__init__()
+        super().__init__(endpoint)
         blob = bytes(packed)
         check_packed_rkey(blob, memory_types=memory_types)
         self.endpoint = endpoint
-        self._b = endpoint._b
         ffi, lib = self._b
         self._inflight = 0
-        with endpoint._lock:
-            endpoint._check_usable("ucp_ep_rkey_unpack")
-            endpoint._adopt(self, "ucp_ep_rkey_unpack")
-            try:
-                rkey_p = ffi.new("ucp_rkey_h *")
-                check_status(
-                    lib.ucp_ep_rkey_unpack(endpoint._handle, ffi.from_buffer(blob), rkey_p),
-                    "ucp_ep_rkey_unpack",
-                )
-            except BaseException:
-                endpoint._children.pop(id(self), None)
-                raise
-        self._handle: Any = rkey_p[0]
+        self._handle: Any = endpoint._create_child(
+            self,
+            "ucp_ep_rkey_unpack",
+            "ucp_rkey_h *",
+            lib.ucp_ep_rkey_unpack,
+            endpoint._handle,
+            ffi.from_buffer(blob),
+        )
 
     def _release(self) -> None:
-        endpoint = self.endpoint
-        with endpoint._cond:
-            drained = endpoint._cond.wait_for(lambda: self._inflight == 0, DEFAULT_CLOSE_TIMEOUT_S)
-        if not drained:
-            endpoint._abort(int(UcsStatus.ERR_CANCELED), "remote key closed with GETs in flight")
-            with endpoint._cond:
-                drained = endpoint._cond.wait_for(lambda: self._inflight == 0, ABORT_GRACE_S)
-        if not drained:
-            _leak(self, "a remote key is still used by a GET that does not complete")
-            raise UcxError(
-                operation="ucp_rkey_destroy",
-                status=int(UcsStatus.ERR_BUSY),
-                status_text="a GET using this key did not complete; the key is leaked",
+        ep, why = self.endpoint, "remote key closed with GETs in flight"
+        if not _drain(ep._cond, lambda: self._inflight == 0, ep, why):
+            raise _leaked_error(
+                self,
+                "a remote key is still used by a GET that does not complete",
+                "ucp_rkey_destroy",
+                "a GET using this key did not complete; the key is leaked",
             )
         self._b.lib.ucp_rkey_destroy(self._handle)
-
-    def _detach_from_parent(self) -> None:
-        self.endpoint._forget(self)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -939,66 +912,6 @@ def get(
             ``ABORT_GRACE_S``, the destination may yet be written: do not reuse it.
     """
     operation = "ucp_get_nbx"
-    _check_get_args(ep, local_addr, nbytes, remote_addr, rkey, timeout_s, local_memh)
-    if nbytes == 0:
-        return
-    memh_handle: Any = ep._b.ffi.NULL
-    if local_memh is not None:
-        with local_memh._lock:
-            if local_memh.closed:
-                raise _closed_error(operation, local_memh._kind)
-            local_memh._inflight += 1
-        memh_handle = local_memh._handle
-    try:
-        _get_counted_in_flight(
-            ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle, self_progress_s
-        )
-    finally:
-        if local_memh is not None:
-            with local_memh._cond:
-                local_memh._inflight -= 1
-                local_memh._cond.notify_all()
-
-
-def _get_counted_in_flight(
-    ep: Endpoint,
-    local_addr: int,
-    nbytes: int,
-    remote_addr: int,
-    rkey: RemoteKey,
-    timeout_s: float,
-    memh_handle: Any,
-    self_progress_s: float,
-) -> None:
-    """The GET, counted in flight on ``ep`` and ``rkey`` so that neither closes under it."""
-    operation = "ucp_get_nbx"
-    with ep._cond:
-        ep._check_usable(operation)
-        if rkey.closed:
-            raise _closed_error(operation, rkey._kind)
-        ep._inflight += 1
-        rkey._inflight += 1
-    try:
-        _post_and_wait(
-            ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle, self_progress_s
-        )
-    finally:
-        with ep._cond:
-            ep._inflight -= 1
-            rkey._inflight -= 1
-            ep._cond.notify_all()
-
-
-def _check_get_args(
-    ep: Endpoint,
-    local_addr: int,
-    nbytes: int,
-    remote_addr: int,
-    rkey: RemoteKey,
-    timeout_s: float,
-    local_memh: MemoryRegistration | None,
-) -> None:
-    operation = "ucp_get_nbx"
     _check_not_forked(operation)
     _check_u64(operation, "local_addr", local_addr)
     _check_u64(operation, "remote_addr", remote_addr)
@@ -1010,6 +923,47 @@ def _check_get_args(
         raise _invalid(operation, "the remote key was unpacked on another endpoint")
     if local_memh is not None and not local_memh.contains(local_addr, nbytes):
         raise _invalid(operation, "the destination range is outside local_memh")
+    if nbytes == 0:
+        return
+    with _in_flight(ep, rkey, local_memh) as memh_handle:
+        _post_and_wait(
+            ep, local_addr, nbytes, remote_addr, rkey, timeout_s, memh_handle, self_progress_s
+        )
+
+
+@contextmanager
+def _in_flight(
+    ep: Endpoint, rkey: RemoteKey, local_memh: MemoryRegistration | None
+) -> Iterator[Any]:
+    """Count a GET in flight on ``local_memh``, ``ep`` and ``rkey`` so that none closes under
+    it; yields the destination's memory handle (NULL without ``local_memh``)."""
+    operation = "ucp_get_nbx"
+    memh_handle: Any = ep._b.ffi.NULL
+    if local_memh is not None:
+        with local_memh._lock:
+            if local_memh.closed:
+                raise _closed_error(operation, local_memh._kind)
+            local_memh._inflight += 1
+        memh_handle = local_memh._handle
+    try:
+        with ep._cond:
+            ep._check_usable(operation)
+            if rkey.closed:
+                raise _closed_error(operation, rkey._kind)
+            ep._inflight += 1
+            rkey._inflight += 1
+        try:
+            yield memh_handle
+        finally:
+            with ep._cond:
+                ep._inflight -= 1
+                rkey._inflight -= 1
+                ep._cond.notify_all()
+    finally:
+        if local_memh is not None:
+            with local_memh._cond:
+                local_memh._inflight -= 1
+                local_memh._cond.notify_all()
 
 
 def _post_and_wait(

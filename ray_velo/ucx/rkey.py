@@ -161,14 +161,6 @@ def check_packed_rkey(
     max_len: int = PACKED_RKEY_MAX_BYTES,
     memory_types: frozenset[MemoryType] = SUPPORTED_MEMORY_TYPES,
 ) -> None:
-    """Refuse a packed key that UCX could not parse within its own bytes.
-
-    Args:
-        blob: the key bytes as received from the peer.
-        max_len: the largest key accepted, in bytes.
-        memory_types: the memory types accepted (default: host, CUDA, CUDA managed).
-
-    Raises:
-        DescriptorError: see :func:`parse_packed_rkey`.
-    """
+    """Refuse a packed key that UCX could not parse within its own bytes: the arguments and
+    the ``DescriptorError`` of :func:`parse_packed_rkey`, without the layout."""
     parse_packed_rkey(blob, max_len, memory_types)
