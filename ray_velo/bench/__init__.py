@@ -4,28 +4,6 @@ link's own ceiling (docs/benchmarks.md).
 May import: errors, config, protocol, memory, ucx, wire, actors, client, ray_velo, ops, testbed.
 """
 
-from ray_velo.bench.samehost import (
-    COLUMNS,
-    BenchRow,
-    default_sizes,
-    demo,
-    format_table,
-    plot,
-    run_bench,
-    run_decorator_bench,
-    shm_free_bytes,
-    ucx_raw_get,
-)
+from ray_velo.bench.samehost import demo
 
-__all__ = [
-    "COLUMNS",
-    "BenchRow",
-    "default_sizes",
-    "demo",
-    "format_table",
-    "plot",
-    "run_bench",
-    "run_decorator_bench",
-    "shm_free_bytes",
-    "ucx_raw_get",
-]
+__all__ = ["demo"]

@@ -3,6 +3,7 @@ every page, each timing itself. Ray is imported on first use."""
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -88,10 +89,13 @@ def _make(nbytes: int) -> np.ndarray[Any, Any]:
     return np.resize(np.arange(251, dtype=np.uint8), nbytes)
 
 
-def _producer_class() -> Any:
+@functools.cache
+def bench_actors() -> tuple[Any, Any]:
+    """The (Producer, Consumer) actor classes, made once per process."""
     import ray
 
     import ray_velo as rv
+    from ray_velo.client import session
 
     @ray.remote(num_cpus=0)
     class Producer:
@@ -125,15 +129,6 @@ def _producer_class() -> Any:
 
         def drop(self) -> None:
             del self.array
-
-    return Producer
-
-
-def _consumer_class() -> Any:
-    import ray
-
-    import ray_velo as rv
-    from ray_velo.client import session
 
     @ray.remote(num_cpus=0)
     class Consumer:
@@ -180,18 +175,7 @@ def _consumer_class() -> Any:
         def path_counts(self) -> dict[str, int]:
             return dict(self.agent_info()["metrics"]["velo_rendezvous_rdma_path_total"])
 
-    return Consumer
-
-
-_classes_made: tuple[Any, Any] | None = None
-
-
-def bench_actors() -> tuple[Any, Any]:
-    """The (Producer, Consumer) actor classes, made once per process."""
-    global _classes_made
-    if _classes_made is None:
-        _classes_made = (_producer_class(), _consumer_class())
-    return _classes_made
+    return Producer, Consumer
 
 
 def pipeline_stages(array_bytes: int) -> tuple[type, Any]:

@@ -13,20 +13,14 @@ from typing import Any
 
 from ray_velo.bench.actors import wait_processes_gone
 from ray_velo.bench.fanout import agent_counters, hosts_text, per_round, reader_hosts
-from ray_velo.bench.transport import (
-    NIXL_WARM_UPS,
-    PAIR_EXIT_BOUND_S,
-    nixl_available,
-    transport_classes,
-)
+from ray_velo.bench.transport import NIXL_WARM_UPS, PAIR_EXIT_BOUND_S, transport_actors
 
 __all__ = ["WEIGHTS", "format_broadcast", "measure_broadcast"]
 
 #: The weights: GPT-2 small's state dict (148 tensors, 498 MB), one RDT object.
 WEIGHTS = "state dict"
-#: (column, the producer's method, transport name in the table).
-_TRANSPORTS = (("velo", "torch_velo", "VELO"), ("nixl", "torch_nixl", "NIXL"))
-_STORE = ("ray", "torch_plain", "Ray's store")
+#: (column, transport name in the table).
+_LABELS = (("velo", "VELO"), ("nixl", "NIXL"), ("ray", "Ray's store"))
 
 
 def measure_broadcast(
@@ -46,13 +40,7 @@ def measure_broadcast(
     receiver host's copy rather than host a's (:func:`per_round`)."""
     import ray
 
-    import ray_velo as rv
-
-    rv.register_transports()
-    with_nixl = nixl_available()
-    producer_cls, consumer_cls = transport_classes(with_nixl)
-    make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
-    trainer_of, rollout_of = make_actor(producer_cls), make_actor(consumer_cls)
+    with_nixl, trainer_of, rollout_of = transport_actors()
     places = [on_readers[i - 1] for i in reader_hosts(k, len(on_readers) + 1)]
 
     def group(n: int) -> tuple[Any, list[Any]]:
@@ -169,7 +157,7 @@ def format_broadcast(rows: dict[str, dict[str, Any]], k: int, hosts: int) -> str
     ]
     for link, row in rows.items():
         s = row["seconds"]
-        for column, _, label in (*_TRANSPORTS, _STORE):
+        for column, label in _LABELS:
             if column not in s:
                 continue
             lines.append(

@@ -56,79 +56,6 @@ def _wire_call(address: str, message: bytes) -> Any:
     return sock, once
 
 
-def _own_calls(reps: int) -> dict[str, float]:
-    """This process's calls to its own agent, as Ray calls and over the socket."""
-    import ray
-
-    import ray_velo as rv
-    from ray_velo.client import session
-
-    s, pid = session.current(), os.getpid()
-    local = rv.put(bytes(CALL_PAYLOAD_BYTES))
-
-    def reserve(over_socket: bool) -> None:
-        if over_socket:
-            r = s.stage_reserve(CALL_PAYLOAD_BYTES, True, True)
-        else:
-            r = ray.get(s.agent.stage_reserve.remote(CALL_PAYLOAD_BYTES, True, pid, True))
-        assert r is not None, "a pinned reservation is never refused"
-        s.agent.stage_abort.remote(r.reservation_id)
-
-    def acquire(over_socket: bool) -> None:
-        if over_socket:
-            lease = s.local_acquire(local, "detach")
-        else:
-            lease = ray.get(s.agent.local_acquire.remote(local, pid, "detach"))
-        s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
-
-    out = {"ping": _median_ms(reps, lambda: ray.get(s.agent.ping.remote()))}
-    calls: tuple[tuple[str, Callable[[bool], None]], ...] = (
-        ("stage_reserve", reserve),
-        ("local_acquire", acquire),
-    )
-    for name, one in calls:
-        out[f"{name}/ray"] = _median_ms(reps, functools.partial(one, False))
-        out[f"{name}/socket"] = _median_ms(reps, functools.partial(one, True))
-    session.release_soon(local)
-    return out
-
-
-def _remote_calls(handles: list[Any], owner: Any, wire: str, reps: int) -> dict[str, float]:
-    """This process's fetches of another node's payloads (Ray call vs socket), and one
-    owner handler (Ray call vs the owner's TCP wire)."""
-    import ray
-
-    from ray_velo.client import session
-    from ray_velo.protocol import MetadataRequest, encode
-
-    s, pid = session.current(), os.getpid()
-    spare = iter(handles)
-
-    def fetch(over_socket: bool) -> None:
-        handle = next(spare)
-        if over_socket:
-            lease = s.fetch_remote(handle, "release", None, "unbounded", 0, timeout_s=None)
-        else:
-            lease = ray.get(s.agent.fetch_remote.remote(handle, "release", None, pid, "unbounded"))
-        s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
-
-    message = encode(MetadataRequest(handles[-1]))
-    out = {
-        "fetch_remote/ray": _median_ms(reps, lambda: fetch(False)),
-        "fetch_remote/socket": _median_ms(reps, lambda: fetch(True)),
-        "owner handler/ray": _median_ms(reps, lambda: ray.get(owner._rv_metadata.remote(message))),
-    }
-    if wire:
-        sock, once = _wire_call(wire, message)
-        try:
-            out["owner handler/wire"] = _median_ms(reps, once)
-        finally:
-            sock.close()
-    for handle in handles[2 * reps + 2 :]:
-        session.release_soon(handle)
-    return out
-
-
 class _Caller:
     """Runs on one node; measures its calls to its own agent and to a peer owner."""
 
@@ -142,12 +69,81 @@ class _Caller:
         return [rv.put(payload) for _ in range(count)]
 
     def own_calls(self, reps: int) -> dict[str, float]:
-        return _own_calls(reps)
+        """This process's calls to its own agent, as Ray calls and over the socket."""
+        import ray
+
+        import ray_velo as rv
+        from ray_velo.client import session
+
+        s, pid = session.current(), os.getpid()
+        local = rv.put(bytes(CALL_PAYLOAD_BYTES))
+
+        def reserve(over_socket: bool) -> None:
+            if over_socket:
+                r = s.stage_reserve(CALL_PAYLOAD_BYTES, True, True)
+            else:
+                r = ray.get(s.agent.stage_reserve.remote(CALL_PAYLOAD_BYTES, True, pid, True))
+            assert r is not None, "a pinned reservation is never refused"
+            s.agent.stage_abort.remote(r.reservation_id)
+
+        def acquire(over_socket: bool) -> None:
+            if over_socket:
+                lease = s.local_acquire(local, "detach")
+            else:
+                lease = ray.get(s.agent.local_acquire.remote(local, pid, "detach"))
+            s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
+
+        out = {"ping": _median_ms(reps, lambda: ray.get(s.agent.ping.remote()))}
+        calls: tuple[tuple[str, Callable[[bool], None]], ...] = (
+            ("stage_reserve", reserve),
+            ("local_acquire", acquire),
+        )
+        for name, one in calls:
+            out[f"{name}/ray"] = _median_ms(reps, functools.partial(one, False))
+            out[f"{name}/socket"] = _median_ms(reps, functools.partial(one, True))
+        session.release_soon(local)
+        return out
 
     def remote_calls(
         self, handles: list[Any], owner: Any, wire: str, reps: int
     ) -> dict[str, float]:
-        return _remote_calls(handles, owner, wire, reps)
+        """This process's fetches of another node's payloads (Ray call vs socket), and one
+        owner handler (Ray call vs the owner's TCP wire)."""
+        import ray
+
+        from ray_velo.client import session
+        from ray_velo.protocol import MetadataRequest, encode
+
+        s, pid = session.current(), os.getpid()
+        spare = iter(handles)
+
+        def fetch(over_socket: bool) -> None:
+            handle = next(spare)
+            if over_socket:
+                lease = s.fetch_remote(handle, "release", None, "unbounded", 0, timeout_s=None)
+            else:
+                lease = ray.get(
+                    s.agent.fetch_remote.remote(handle, "release", None, pid, "unbounded")
+                )
+            s.agent.end_lease.remote(lease.handle, lease.lease_id, False)
+
+        message = encode(MetadataRequest(handles[-1]))
+        out = {
+            "fetch_remote/ray": _median_ms(reps, lambda: fetch(False)),
+            "fetch_remote/socket": _median_ms(reps, lambda: fetch(True)),
+            "owner handler/ray": _median_ms(
+                reps, lambda: ray.get(owner._rv_metadata.remote(message))
+            ),
+        }
+        if wire:
+            sock, once = _wire_call(wire, message)
+            try:
+                out["owner handler/wire"] = _median_ms(reps, once)
+            finally:
+                sock.close()
+        for handle in handles[2 * reps + 2 :]:
+            session.release_soon(handle)
+        return out
 
 
 def run_calls_bench(reps: int = 40) -> dict[str, float]:

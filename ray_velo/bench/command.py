@@ -110,8 +110,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 
 def _same_host(args: argparse.Namespace) -> Outcome:
-    from ray_velo.bench import default_sizes, format_table, run_bench, shm_free_bytes
     from ray_velo.bench.actors import LATENCY_REPS, format_latency
+    from ray_velo.bench.samehost import default_sizes, format_table, plot, run_bench, shm_free_bytes
     from ray_velo.config import VeloConfig
 
     sizes = _sizes(args, "") if args.sizes else default_sizes(shm_free_bytes())
@@ -125,8 +125,6 @@ def _same_host(args: argparse.Namespace) -> Outcome:
         sizes, args.reps, config=config, with_ucx_raw=not args.no_ucx_raw, latency=latency
     )
     if args.plot:
-        from ray_velo.bench import plot
-
         plot(rows, args.plot)
     text = format_table(rows) + "\n\n" + format_latency(latency, LATENCY_REPS)
     shapes: Shapes = {f"{r.size_bytes // MiB} MiB, local nodes": {**r.seconds} for r in rows}
@@ -171,16 +169,12 @@ def _transport_shapes(
     measured: dict[str, Any], where: str, raw_s: dict[int, float] | None = None
 ) -> Shapes:
     shapes: Shapes = {}
-    for row in measured["sizes"]:
+    for row in [*measured["sizes"], *measured.get("objects", [])]:
         columns: dict[str, float | None] = {**row["seconds"]}
         if raw_s and row["size_bytes"] in raw_s:
             columns["raw_tcp"] = raw_s[row["size_bytes"]]
-        shapes[f"{row['size_bytes'] // MiB} MiB tensor, {where}"] = columns
-    for row in measured.get("objects", []):
-        columns = {**row["seconds"]}
-        if raw_s and row["size_bytes"] in raw_s:
-            columns["raw_tcp"] = raw_s[row["size_bytes"]]
-        shapes[f"{row['object']}, {where}"] = columns
+        name = row.get("object") or f"{row['size_bytes'] // MiB} MiB tensor"
+        shapes[f"{name}, {where}"] = columns
     return shapes
 
 
@@ -295,24 +289,18 @@ def _shapes(security: Any, checkout: str | None) -> Outcome:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from ray_velo.bench.record import SittingError, compare_sittings, load_sitting
+    from ray_velo.bench.record import compare_sittings, load_sitting
 
-    try:
-        first, second = (load_sitting(path) for path in args.compare)
-        print(compare_sittings(first, second))
-    except SittingError as exc:
-        raise BenchRefused(str(exc)) from None
+    first, second = (load_sitting(path) for path in args.compare)
+    print(compare_sittings(first, second))
     return 0
 
 
 def _ranges(args: argparse.Namespace) -> int:
-    from ray_velo.bench.record import SittingError, load_sitting, ranges_table
+    from ray_velo.bench.record import load_sitting, ranges_table
 
-    try:
-        sittings = [load_sitting(path) for path in args.ranges]
-        print(ranges_table(sittings))
-    except SittingError as exc:
-        raise BenchRefused(str(exc)) from None
+    sittings = [load_sitting(path) for path in args.ranges]
+    print(ranges_table(sittings))
     if args.plot:
         from ray_velo.bench.plots import plot_sittings
 
@@ -380,7 +368,7 @@ def _preflight(args: argparse.Namespace) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     """``ray-velo bench``: refuse what cannot run (one line, exit 2), else measure, print and
     record."""
-    from ray_velo.bench.record import make_sitting, write_sitting
+    from ray_velo.bench.record import SittingError, make_sitting, write_sitting
 
     try:
         if args.compare:
@@ -393,7 +381,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             print(f"Ray on the testbed: auth {args.auth}, TLS {'on' if args.tls else 'off'}",
                   file=sys.stderr if args.json else sys.stdout)  # fmt: skip
         outcome = _mode(args)(args)
-    except BenchRefused as exc:
+    except (BenchRefused, SittingError) as exc:  # a sitting of --compare or --ranges
         print(f"ray-velo bench: {exc}", file=sys.stderr)
         return 2
     sitting = make_sitting(

@@ -118,7 +118,6 @@ def ucx_raw_cuda_get(nbytes: int, reps: int = 5) -> float:
 
 
 def _actors() -> tuple[Any, Any]:
-    """A producer and a consumer actor, each with half of the one GPU."""
     import ray
     import torch
 
@@ -202,12 +201,9 @@ def run_gpu_bench(nbytes: int = 256 * MiB, reps: int = 5, *, raw: bool = True) -
         staged = _device_staged()
     finally:
         rv.shutdown(stop_ray=started_ray)
-    nixl = "importable (run Ray's NIXL transport beside it)" if _has("nixl") else "not installed"
+    has_nixl = importlib.util.find_spec("nixl") is not None
+    nixl = "importable (run Ray's NIXL transport beside it)" if has_nixl else "not installed"
     return GpuBenchResult(nbytes, reps, velo_s, ray_s, ucx_raw_s, nixl, staged)
-
-
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def _device_staged() -> dict[str, int]:

@@ -9,7 +9,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ray_velo.bench.actors import LATENCY_REPS
@@ -99,14 +99,14 @@ def measure(
     producer, consumer = _pair(producer_cls, consumer_cls, info.hosts)
     paths: dict[str, dict[str, int]] = {}
     before = ray.get(consumer.path_counts.remote())
+    on_a, on_b = {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
     rows, samples = _measure_sizes(
-        (producer, consumer), info, sizes, reps, transfers_only=transfers_only,
+        (producer, consumer), (on_a, on_b), sizes, reps, transfers_only=transfers_only,
         probe_rounds=probe_rounds,
     )  # fmt: skip
     latency: dict[int, Any] = {}
     if not transfers_only:
         _say("  mid-size payloads: median time per transfer")
-        on_a, on_b = {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
         latency = measure_latency(producer, consumer, on_a, on_b, LATENCY_REPS)
     consumer_info = ray.get(consumer.agent_info.remote())
     paths["velo"] = _moved(before, ray.get(consumer.path_counts.remote()))
@@ -127,7 +127,7 @@ def measure(
 
 def _measure_sizes(
     actors: tuple[Any, Any],
-    info: Any,
+    places: tuple[Mapping[str, float], Mapping[str, float]],
     sizes: Sequence[int],
     reps: int,
     *,
@@ -160,9 +160,7 @@ def _measure_sizes(
         rows[size] = {column: statistics.median(v) for column, v in samples[size].items()}
         if not transfers_only:
             _say(f"  {size // MiB} MiB: the @rv.transfer pipeline vs the same on Ray")
-            pipelines, producers = bench_pipelines(
-                size, {info.hosts[0].resource: 1}, {info.hosts[1].resource: 1}
-            )
+            pipelines, producers = bench_pipelines(size, *places)
             rows[size].update(medians(reps, pipelines, lambda _: None))
             for actor in producers:
                 ray.kill(getattr(actor, "ray_handle", actor))
@@ -191,41 +189,6 @@ def _measure_chunked(
         row["chunked"] = chunked["velo"]
         ray.get(producer.drop.remote())
     return _moved(before, ray.get(consumer.path_counts.remote()))
-
-
-def measure_transport(sizes: list[int], reps: int) -> dict[str, Any]:
-    """``ray-velo bench --two-host --transport``: the tensor transports, host a to host b."""
-    import ray_velo as rv
-    from ray_velo.bench.transport import measure_transports
-    from ray_velo.testbed import connect
-
-    info = connect()
-    rv.init()
-    result = measure_transports(
-        {"resources": {info.hosts[0].resource: 1}},
-        {"resources": {info.hosts[1].resource: 1}},
-        sizes,
-        reps,
-        tick=lambda text: _say(f"  {text}"),
-    )
-    rv.shutdown()
-    return result
-
-
-def measure_fan_out_here(size: int, k: int, reps: int) -> dict[str, Any]:
-    """``ray-velo bench --two-host --fan-out K [--hosts N]``: one payload from host a to K
-    readers spread round-robin over every other host of the testbed (b, c, ...)."""
-    from ray_velo.bench.fanout import measure_fan_out
-
-    return _from_host_a(measure_fan_out, size, k, reps)
-
-
-def measure_broadcast_here(k: int, reps: int) -> dict[str, Any]:
-    """``ray-velo bench --two-host --transport --fan-out K [--hosts N]``: one RDT weights ref
-    from host a to K rollout actors on the other hosts (b, c, ...)."""
-    from ray_velo.bench.broadcast import measure_broadcast
-
-    return _from_host_a(measure_broadcast, k, reps)
 
 
 def _from_host_a(measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
@@ -261,12 +224,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    if args.fan_out and args.transport:
-        result = measure_broadcast_here(args.fan_out, args.reps)
-    elif args.fan_out:
-        result = measure_fan_out_here(sizes[0], args.fan_out, args.reps)
-    elif args.transport:
-        result = measure_transport(sizes, args.reps)
+    if args.fan_out and args.transport:  # one RDT weights ref to K rollout actors on b, c, ...
+        from ray_velo.bench.broadcast import measure_broadcast
+
+        result = _from_host_a(measure_broadcast, args.fan_out, args.reps)
+    elif args.fan_out:  # one payload to K readers round-robin over b, c, ...
+        from ray_velo.bench.fanout import measure_fan_out
+
+        result = _from_host_a(measure_fan_out, sizes[0], args.fan_out, args.reps)
+    elif args.transport:  # the tensor transports, host a to host b
+        from ray_velo.bench.transport import measure_transports
+
+        result = _from_host_a(
+            lambda on_a, on_others, tick: measure_transports(
+                {"resources": on_a}, {"resources": on_others[0]}, sizes, args.reps, tick=tick
+            )
+        )
     else:
         from ray_velo.config import RdmaConfig, RdmaPoolConfig, VeloConfig
 

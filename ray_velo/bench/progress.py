@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from types import TracebackType
 from typing import IO, Any
 
 from tqdm import tqdm
@@ -71,12 +70,7 @@ class Progress:
             )
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def step(self, label: str) -> None:
@@ -84,11 +78,9 @@ class Progress:
         if self._closed:
             raise RuntimeError(f"progress of {self.label!r} stepped after it closed")
         self.done += 1
-        if self.done > self.total:
-            self.total = self.done
-            if self._bar is not None:
-                self._bar.total = self.total
+        self.total = max(self.total, self.done)
         if self._bar is not None:
+            self._bar.total = self.total
             self._bar.set_postfix_str(label, refresh=False)
             self._bar.update(1)
         else:

@@ -259,11 +259,9 @@ _TABLES: dict[str, tuple[_Columns, _Speeds]] = {
 
 def _table_kind(sitting: Mapping[str, Any]) -> str:
     mode = str(sitting.get("mode", ""))
-    if mode == "weights broadcast":
+    if mode in ("weights broadcast", "two-host"):
         return mode
-    if mode.endswith("transport"):
-        return "transport"
-    return "two-host" if mode == "two-host" else "velo"
+    return "transport" if mode.endswith("transport") else "velo"
 
 
 def ranges_table(sittings: Sequence[Mapping[str, Any]]) -> str:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ray_velo.bench.progress import Progress
+from ray_velo.testbed import Testbed
 from ray_velo.testbed.errors import TestbedError
+from ray_velo.testbed.probes import raw_tcp
 from ray_velo.testbed.security import DEFAULT_SECURITY, Security
 
 __all__ = [
@@ -75,15 +77,7 @@ BENCH_SHAPES = (
 )
 
 
-def _by_link(shapes: Sequence[Shape]) -> dict[str, list[Shape]]:
-    groups: dict[str, list[Shape]] = {}
-    for shape in shapes:
-        groups.setdefault(shape.link, []).append(shape)
-    return groups
-
-
 def _drive(testbed: Any, shapes: Sequence[Shape], pythonpath: str | None) -> dict[str, Any]:
-    """Run the shapes' driver on host a; its result."""
     spec = json.dumps([[s.name, s.kind, s.nbytes, s.rounds] for s in shapes])
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
     # Ray puts the driver's working directory first on its workers' import path: in another
@@ -118,10 +112,9 @@ def measure_shapes(
         TestbedUnavailable: this machine cannot make network namespaces (not root).
         TestbedError: a node or the driver failed.
     """
-    from ray_velo.testbed import Testbed
-    from ray_velo.testbed.probes import raw_tcp
-
-    groups = _by_link(shapes)
+    groups: dict[str, list[Shape]] = {}  # by link, in order
+    for shape in shapes:
+        groups.setdefault(shape.link, []).append(shape)
     biggest = max(s.nbytes for s in shapes)
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
     out: dict[str, Any] = {}

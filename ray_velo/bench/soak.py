@@ -97,6 +97,7 @@ def _actors(pattern_bytes: int) -> tuple[Any, Any]:
 
     import ray_velo as rv
 
+    @ray.remote(num_cpus=0)
     class Producer:
         def __init__(self) -> None:
             self.pattern = (np.arange(pattern_bytes, dtype=np.uint64) * 131 % 251).astype(np.uint8)
@@ -105,14 +106,12 @@ def _actors(pattern_bytes: int) -> tuple[Any, Any]:
             data = self.pattern[offset : offset + nbytes]
             return rv.put(data, pinned=pinned), zlib.crc32(data.data)
 
+    @ray.remote(num_cpus=0)
     class Consumer:
         def fetch_crc(self, handle: Any) -> int:
             return zlib.crc32(np.ascontiguousarray(rv.fetch(handle)).data)
 
-    return (
-        ray.remote(num_cpus=0)(Producer),
-        ray.remote(num_cpus=0)(Consumer),
-    )
+    return Producer, Consumer
 
 
 def _levels(result: SoakResult) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
@@ -280,7 +279,6 @@ def _count_fetch(result: SoakResult, ref: Any, crc: int, pinned: bool) -> None:
 
 
 def _sample_agents(result: SoakResult, agents: dict[str, Any], t_s: float, progress: Any) -> None:
-    """Every agent's status, ``t_s`` seconds into the run, into ``result.samples``."""
     sample = _statuses(agents)
     for node, values in sample.items():
         result.samples.setdefault(node, []).append({"t_s": int(t_s), **values})

@@ -27,15 +27,21 @@ OBJECTS = ("state dict", "1000 x 4 KiB")
 #: What ``make`` builds for a payload of one tensor.
 ONE_TENSOR = "tensor"
 
-__all__ = ["OBJECTS", "format_transport", "measure_transports", "transport_classes"]
+__all__ = ["OBJECTS", "format_transport", "measure_transports", "transport_actors"]
 
 
-def transport_classes(with_nixl: bool) -> tuple[Any, Any]:
-    """The producer and consumer actor classes (defined once the transports are registered:
-    Ray checks a tensor_transport name when the class is defined)."""
+def transport_actors() -> tuple[bool, Any, Any]:
+    """Whether Ray's NIXL transport is measured here (:func:`nixl_unusable` says none), and
+    the producer and consumer as Ray actor classes (defined once the transports are
+    registered: Ray checks a tensor_transport name when the class is defined)."""
     import numpy as np
     import ray
     import torch
+
+    import ray_velo as rv
+
+    rv.register_transports()
+    with_nixl = nixl_unusable() is None
 
     class Producer:
         def __init__(self) -> None:
@@ -81,14 +87,6 @@ def transport_classes(with_nixl: bool) -> tuple[Any, Any]:
 
         Producer.torch_nixl = torch_nixl  # type: ignore[attr-defined]
 
-    return Producer, _consumer_class()
-
-
-def _consumer_class() -> Any:
-    """The consumer actor class: reads every page of what it is handed."""
-    import numpy as np
-    import torch
-
     class Consumer:
         def ready(self) -> bool:
             return True
@@ -104,7 +102,9 @@ def _consumer_class() -> Any:
             flat = array.reshape(-1).view(np.uint8)
             return int(flat[::4096].sum()) + int(flat[-1])  # touch every page
 
-    return Consumer
+    # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
+    make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
+    return with_nixl, make_actor(Producer), make_actor(Consumer)
 
 
 def _many_tensors(kind: str) -> Any:
@@ -126,11 +126,6 @@ class _FreshPair(NamedTuple):
     source: Any
     reader: Any
     processes: list[tuple[str, int]]
-
-
-def nixl_available() -> bool:
-    """Whether Ray's NIXL transport can be measured here (:func:`nixl_unusable` says none)."""
-    return nixl_unusable() is None
 
 
 def nixl_unusable() -> str | None:
@@ -163,12 +158,7 @@ def measure_transports(
 
     import ray_velo as rv
 
-    rv.register_transports()
-    with_nixl = nixl_available()
-    producer_cls, consumer_cls = transport_classes(with_nixl)
-    # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
-    make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
-    producer_actor, consumer_actor = make_actor(producer_cls), make_actor(consumer_cls)
+    with_nixl, producer_actor, consumer_actor = transport_actors()
     producer = producer_actor.options(**producer_options).remote()
     fresh = producer_actor.options(**producer_options).remote()
     consumer = consumer_actor.options(**consumer_options).remote()
@@ -189,7 +179,12 @@ def measure_transports(
             return _FreshPair(source, reader, ray.get(made)[1:])
 
         pairs["torch_nixl"] = nixl_pair
-    decorated = _decorated_pair(producer_actor, consumer_actor, producer_options, consumer_options)
+    # under @rv.transfer: the producer's ordinary return is staged, the consumer resolves it
+    # before its body runs (a pipeline task to task)
+    decorated = (
+        rv.transfer(producer_actor).options(**producer_options).remote(),
+        rv.transfer(consumer_actor).options(**consumer_options).remote(),
+    )
     ray.get([consumer.ready.remote(), decorated[1].ready.remote()])
     per_size = []
     for size in sizes:
@@ -205,22 +200,6 @@ def measure_transports(
     for actor in (producer, fresh, consumer, *(a.ray_handle for a in decorated)):
         ray.kill(actor)
     return {"sizes": per_size, "objects": per_object, "reps": reps, "nixl": with_nixl}
-
-
-def _decorated_pair(
-    producer_actor: Any,
-    consumer_actor: Any,
-    producer_options: dict[str, Any],
-    consumer_options: dict[str, Any],
-) -> tuple[Any, Any]:
-    """The producer and consumer under ``@rv.transfer``: the producer's ordinary return is
-    staged, the consumer resolves it before its body runs (a pipeline task to task)."""
-    import ray_velo as rv
-
-    return (
-        rv.transfer(producer_actor).options(**producer_options).remote(),
-        rv.transfer(consumer_actor).options(**consumer_options).remote(),
-    )
 
 
 def _interleaved(pairs: dict[str, Any], size: int, kind: str, reps: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,11 @@ from ray_velo.bench.actors import (
     stolen_since,
     transport_text,
 )
+from ray_velo.bench.fanout import hosts_text, reader_hosts
 from ray_velo.bench.hostdriver import PROBE_PREFIX, RESULT_PREFIX
+from ray_velo.testbed import Testbed
 from ray_velo.testbed.errors import TestbedError
+from ray_velo.testbed.probes import raw_tcp, raw_ucx_get
 from ray_velo.testbed.security import DEFAULT_SECURITY, Security
 
 __all__ = ["LinkResult", "format_two_host", "run_two_host", "run_two_host_transport"]
@@ -119,7 +123,6 @@ def _drive(
 def _probe_into(testbed: Any, samples: dict[int, dict[str, list[float]]]) -> Callable[[int], None]:
     """A probe for :func:`_drive`: one raw socket and one bare UCX GET of ``size`` bytes,
     appended to ``samples[size]``."""
-    from ray_velo.testbed.probes import raw_tcp, raw_ucx_get
 
     def probe(size: int) -> None:
         columns = samples.setdefault(size, {})
@@ -150,8 +153,6 @@ def run_two_host(
         TestbedUnavailable: this machine cannot make network namespaces (not root).
         TestbedError: a node or the driver failed.
     """
-    from ray_velo.testbed import Testbed
-
     results = []
     for link in links:
         sys.stderr.write(f"two-host testbed, link {link}:\n")
@@ -187,9 +188,6 @@ def run_two_host_transport(
     """``--transport``: the tensor transports across each link (one testbed each), per
     size, with the raw link probed (one TCP socket) for each size after its rounds: per link,
     ``{"measured": measure_transports' result, "raw_s": {size: seconds}}``."""
-    from ray_velo.testbed import Testbed
-    from ray_velo.testbed.probes import raw_tcp
-
     out = {}
     for link in links:
         sys.stderr.write(f"two-host testbed, link {link}: tensor transports\n")
@@ -223,10 +221,6 @@ def run_two_host_fan_out(
         TestbedUnavailable: this machine cannot make network namespaces (not root).
         TestbedError: a node or the driver failed.
     """
-    from ray_velo.bench.fanout import hosts_text, reader_hosts
-    from ray_velo.testbed import Testbed
-    from ray_velo.testbed.probes import raw_tcp
-
     placed = hosts_text(reader_hosts(k, hosts))
     what = "one weights ref" if weights else "fan-out"
     extra = ["--fan-out", str(k), *(["--transport"] if weights else [])]
@@ -247,10 +241,6 @@ def _raw_chain(testbed: Any, nbytes: int, links: int, reps: int) -> float:
     """Seconds for ``links`` plain TCP streams at once, host a -> b -> c ... (a relay
     chain's links, nothing else): the slowest stream's median. What this machine's CPUs
     allow a chain of that many hops, against one stream's time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ray_velo.testbed.probes import raw_tcp
-
     with ThreadPoolExecutor(links) as pool:
         streams = [
             pool.submit(raw_tcp, testbed, nbytes, reps, src=i, dst=i + 1) for i in range(links)

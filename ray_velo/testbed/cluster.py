@@ -38,6 +38,7 @@ __all__ = [
     "Host",
     "Testbed",
     "TestbedInfo",
+    "check_ray_start",
     "connect",
     "logged_worker_pids",
     "remove_segments_of",
@@ -142,14 +143,9 @@ class Testbed:
         self.host_env = {i: dict(e) for i, e in (host_env or {}).items()}
         self.system_config = dict(system_config or {})
         self.temp_dir = os.path.join("/tmp", self.network.tag)
+        names = string.ascii_lowercase
         self.hosts = tuple(
-            Host(
-                h.index,
-                string.ascii_lowercase[h.index],
-                h.netns,
-                h.address,
-                f"host_{string.ascii_lowercase[h.index]}",
-            )
+            Host(h.index, names[h.index], h.netns, h.address, f"host_{names[h.index]}")
             for h in self.network.hosts
         )
         self.address = f"{self.hosts[0].address}:{GCS_PORT}"
@@ -207,11 +203,7 @@ class Testbed:
 
     def node_env(self, host: Host) -> dict[str, str]:
         """The environment of ``host``'s Ray node (and so of its workers and agent)."""
-        env = {
-            k: v
-            for k, v in without_inherited(os.environ).items()
-            if not k.startswith("RAY_ADDRESS")
-        }
+        env = without_inherited(os.environ)
         env.update(BASE_ENV)
         env.update(self._auth_env)
         env.update(self._tls_env.get(host.index, {}))
@@ -251,12 +243,7 @@ class Testbed:
             )
         except subprocess.TimeoutExpired as exc:
             raise TestbedError(step=f"ray start on host {host.name}", detail="timed out") from exc
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise TestbedError(
-                step=f"ray start on host {host.name}",
-                detail=f"exit {done.returncode}: " + " | ".join(tail),
-            )
+        check_ray_start(done, f"ray start on host {host.name}")
 
     # --- drivers -----------------------------------------------------------------------
 
@@ -326,6 +313,13 @@ class Testbed:
         return subprocess.Popen(
             self.command(target, argv), env=self.driver_env(target, env), text=True, **kwargs
         )
+
+
+def check_ray_start(done: subprocess.CompletedProcess[str], step: str) -> None:
+    """Raise :class:`TestbedError` for a ``ray start`` that failed (the last lines it said)."""
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise TestbedError(step=step, detail=f"exit {done.returncode}: " + " | ".join(tail))
 
 
 def connect(timeout_s: float = 60.0, **ray_init_kwargs: Any) -> TestbedInfo:

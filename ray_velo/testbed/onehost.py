@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
-from ray_velo.testbed.cluster import remove_segments_of
+from ray_velo.testbed.cluster import check_ray_start, remove_segments_of
 from ray_velo.testbed.errors import TestbedError
 from ray_velo.testbed.netns import end_processes
 from ray_velo.testbed.security import AuthMode, auth_env, new_token, without_inherited
@@ -54,11 +54,7 @@ class OneHostCluster:
         self._started = False
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in without_inherited(os.environ).items()
-            if not k.startswith("RAY_ADDRESS")
-        }
+        env = without_inherited(os.environ)
         env.update(_BASE_ENV)
         env.update(self._auth_env)
         env.update(extra or {})
@@ -94,12 +90,7 @@ class OneHostCluster:
                     self._node_argv(index), env=self.env(), capture_output=True, text=True,
                     timeout=max(1.0, deadline - time.monotonic()), check=False,
                 )  # fmt: skip
-                if done.returncode != 0:
-                    tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-                    raise TestbedError(
-                        step=f"ray start (node {index})",
-                        detail=f"exit {done.returncode}: " + " | ".join(tail),
-                    )
+                check_ray_start(done, f"ray start (node {index})")
         except BaseException:
             self.close()
             raise

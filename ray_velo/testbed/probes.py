@@ -46,20 +46,20 @@ def _finish(process: Any, who: str, timeout_s: float = 60.0) -> None:
         raise TestbedError(step=f"probe {who}", detail=f"exit {process.returncode}: {err[-500:]}")
 
 
-def raw_tcp(testbed: Any, nbytes: int, reps: int = 5, *, src: int = 0, dst: int = 1) -> float:
-    """Median seconds to move ``nbytes`` over one TCP socket from host ``src`` to ``dst``."""
+def _start(testbed: Any, host: int, role: str, *args: object) -> Any:
     import subprocess
 
-    module = [sys.executable, "-m", "ray_velo.testbed.probes"]
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-    receiver = testbed.popen([*module, "tcp-receive", str(nbytes), str(reps)], host=dst, **pipes)
+    argv = [sys.executable, "-m", "ray_velo.testbed.probes", role, *map(str, args)]
+    pipe = subprocess.PIPE
+    return testbed.popen(argv, host=host, stdin=pipe, stdout=pipe, stderr=pipe)
+
+
+def raw_tcp(testbed: Any, nbytes: int, reps: int = 5, *, src: int = 0, dst: int = 1) -> float:
+    """Median seconds to move ``nbytes`` over one TCP socket from host ``src`` to ``dst``."""
+    receiver = _start(testbed, dst, "tcp-receive", nbytes, reps)
     try:
         _read_json(receiver, "tcp-receive")  # listening
-        sender = testbed.popen(
-            [*module, "tcp-send", testbed.hosts[dst].address, str(nbytes), str(reps)],
-            host=src,
-            **pipes,
-        )
+        sender = _start(testbed, src, "tcp-send", testbed.hosts[dst].address, nbytes, reps)
         result = _read_json(receiver, "tcp-receive")
         _finish(sender, "tcp-send")
     finally:
@@ -80,17 +80,11 @@ def raw_ucx_get(
 
     ``options``: UCX settings for both contexts (over the library's defaults).
     """
-    import subprocess
-
-    module = [sys.executable, "-m", "ray_velo.testbed.probes"]
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     opts = json.dumps(dict(options or {}))
-    owner = testbed.popen([*module, "ucx-owner", str(nbytes), opts], host=src, **pipes)
+    owner = _start(testbed, src, "ucx-owner", nbytes, opts)
     try:
         offer = _read_json(owner, "ucx-owner")
-        consumer = testbed.popen(
-            [*module, "ucx-consumer", str(nbytes), str(reps), opts], host=dst, **pipes
-        )
+        consumer = _start(testbed, dst, "ucx-consumer", nbytes, reps, opts)
         consumer.stdin.write(json.dumps(offer) + "\n")
         consumer.stdin.flush()
         result = _read_json(consumer, "ucx-consumer")

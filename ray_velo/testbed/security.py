@@ -60,10 +60,9 @@ def auth_env(mode: AuthMode, token: str | None) -> dict[str, str]:
 
 
 def without_inherited(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without the auth and TLS settings a parent process may carry."""
-    return {
-        k: v for k, v in environ.items() if k not in _INHERITED and not k.startswith("RAY_TLS_")
-    }
+    """``environ`` without the auth, TLS and Ray address settings a parent process may carry."""
+    drop = ("RAY_TLS_", "RAY_ADDRESS")
+    return {k: v for k, v in environ.items() if k not in _INHERITED and not k.startswith(drop)}
 
 
 def tls_env(files: TlsFiles) -> dict[str, str]:
@@ -120,8 +119,7 @@ def _certificate(
     subject: str, public_key: Any, signing_key: Any, extension: Any, issuer: str | None = None
 ) -> Any:
     """A certificate for ``subject`` valid from five minutes ago for a day, signed by
-    ``signing_key`` (self-signed when no ``issuer`` is named); ``extension`` is critical only
-    for a CA's basic constraints."""
+    ``signing_key`` (self-signed when no ``issuer`` is named)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import NameOID

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -20,7 +21,7 @@ from ray_velo.config import (
     VeloConfig,
     check_lifetime,
 )
-from ray_velo.consumer.links import Blocking, OwnerLink
+from ray_velo.consumer.links import Blocking, OwnerLink, check_chunk
 from ray_velo.errors import HandleNotFound, OwnerDied, VeloError
 from ray_velo.local.records import LocalLease
 from ray_velo.memory.arena import SegmentMap
@@ -70,12 +71,9 @@ class InProcessLink:
 
     def send(self, entry: Entry, message: bytes) -> None:
         self.sent.append(entry.name)
-        if self.dead:
-            return
-        try:
-            self.agent.serve(entry)(message)
-        except VeloError:
-            return
+        if not self.dead:
+            with contextlib.suppress(VeloError):
+                self.agent.serve(entry)(message)
 
     async def call_async(
         self, entry: Entry, message: bytes, deadline: Deadline, handle: DataHandle
@@ -91,8 +89,6 @@ class InProcessLink:
         handle: DataHandle,
         blocking: Blocking,
     ) -> None:
-        from ray_velo.consumer.links import check_chunk
-
         target = np.frombuffer(dest, dtype=np.uint8, count=answer.total_len)
         for index in range(answer.chunk_count):
             self._check(handle)
