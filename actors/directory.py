@@ -8,7 +8,6 @@ import logging
 import os
 import pickle
 import secrets
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +27,7 @@ from ray_velo.local.channel import (
     remove_stale_sockets,
     socket_path,
 )
+from ray_velo.protocol import entry as entries
 from ray_velo.protocol.entry import BY_NAME, Entry
 from ray_velo.protocol.handshake import SECRET_BYTES
 from ray_velo.state.fetch import Mode
@@ -69,16 +69,16 @@ def agent_name(node_id: str) -> str:
     return f"ray_velo_agent_{node_id}"
 
 
-def _served(stub: Callable[..., Any]) -> Any:
-    """An entry point the plain agent serves: ``stub``'s name is its entry, whose declaration
-    (:mod:`ray_velo.protocol.entry`) says which method of the plain agent serves it, with
-    which arguments, and whether on the event loop or a thread."""
-    entry = BY_NAME[stub.__name__]
+def _served(entry: Entry) -> Any:
+    """The actor's method for ``entry``, which the plain agent serves: its declaration
+    (:mod:`ray_velo.protocol.entry`) says which method of the plain agent, with which
+    arguments, and whether on the event loop or a thread."""
 
     async def serve(self: _RendezvousActor, *args: Any) -> Any:
         return await self.run(entry, *args)
 
-    return functools.wraps(stub)(serve)
+    serve.__name__ = serve.__qualname__ = entry.name
+    return serve
 
 
 class _RendezvousActor:
@@ -156,64 +156,35 @@ class _RendezvousActor:
 
     # --- the entry points the plain agent serves ------------------------------------
 
-    @_served
-    def stage_reserve(self, *args: Any) -> Any: ...
-    @_served
-    def stage_commit(self, *args: Any) -> Any: ...
-    @_served
-    def stage_abort(self, *args: Any) -> Any: ...
-    @_served
-    def stage_written(self, *args: Any) -> Any: ...
-    @_served
-    def local_acquire(self, *args: Any) -> Any: ...
-    @_served
-    def end_lease(self, *args: Any) -> Any: ...
-    @_served
-    def claim_end(self, *args: Any) -> Any: ...
-    @_served
-    def release_quietly(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_metadata(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_acquire(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_ref(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_detach(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_release(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_lease_renew(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_pull(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_window(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_copy(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_relay(self, *args: Any) -> Any: ...
-    @_served
-    def _rv_relay_end(self, *args: Any) -> Any: ...
-    @_served
-    def region_alloc(self, *args: Any) -> Any: ...
-    @_served
-    def region_stage(self, *args: Any) -> Any: ...
-    @_served
-    def region_unregister(self, *args: Any) -> Any: ...
-    @_served
-    def region_deregistered(self, *args: Any) -> Any: ...
-    @_served
-    def route(self, *args: Any) -> Any: ...
-    @_served
-    def ucx_address(self, *args: Any) -> Any: ...
-    @_served
-    def register_peers(self, *args: Any) -> Any: ...
-    @_served
-    def cleanup(self, *args: Any) -> Any: ...
-    @_served
-    def status(self, *args: Any) -> Any: ...
-    @_served
-    def inject_fault(self, *args: Any) -> Any: ...
+    stage_reserve = _served(entries.STAGE_RESERVE)
+    stage_commit = _served(entries.STAGE_COMMIT)
+    stage_abort = _served(entries.STAGE_ABORT)
+    stage_written = _served(entries.STAGE_WRITTEN)
+    local_acquire = _served(entries.LOCAL_ACQUIRE)
+    end_lease = _served(entries.END_LEASE)
+    claim_end = _served(entries.CLAIM_END)
+    release_quietly = _served(entries.RELEASE_QUIETLY)
+    _rv_metadata = _served(entries.RV_METADATA)
+    _rv_acquire = _served(entries.RV_ACQUIRE)
+    _rv_ref = _served(entries.RV_REF)
+    _rv_detach = _served(entries.RV_DETACH)
+    _rv_release = _served(entries.RV_RELEASE)
+    _rv_lease_renew = _served(entries.RV_LEASE_RENEW)
+    _rv_pull = _served(entries.RV_PULL)
+    _rv_window = _served(entries.RV_WINDOW)
+    _rv_copy = _served(entries.RV_COPY)
+    _rv_relay = _served(entries.RV_RELAY)
+    _rv_relay_end = _served(entries.RV_RELAY_END)
+    region_alloc = _served(entries.REGION_ALLOC)
+    region_stage = _served(entries.REGION_STAGE)
+    region_unregister = _served(entries.REGION_UNREGISTER)
+    region_deregistered = _served(entries.REGION_DEREGISTERED)
+    route = _served(entries.ROUTE)
+    ucx_address = _served(entries.UCX_ADDRESS)
+    register_peers = _served(entries.REGISTER_PEERS)
+    cleanup = _served(entries.CLEANUP)
+    status = _served(entries.STATUS)
+    inject_fault = _served(entries.INJECT_FAULT)
 
     async def run(self, entry: Entry, *args: Any) -> Any:
         """Run ``entry`` on the plain agent: on the event loop when it may, else a thread."""

@@ -136,7 +136,6 @@ class Slot:
     location: Location
     refcount: int
     ttl_deadline: float | None
-    staged_at: float
     given: int = 1
     claimed: int = 0
     ended: str | None = None
@@ -155,7 +154,7 @@ class Slot:
 
 class SlotView(Protocol):
     """A slot as the store lends it out: read-only (only the store's methods change a slot),
-    and read under the lock the caller holds."""
+    and read under the lock the caller holds; what the other roles read of it."""
 
     @property
     def slot_id(self) -> int: ...
@@ -172,12 +171,6 @@ class SlotView(Protocol):
     @property
     def refcount(self) -> int: ...
     @property
-    def ttl_deadline(self) -> float | None: ...
-    @property
-    def staged_at(self) -> float: ...
-    @property
-    def given(self) -> int: ...
-    @property
     def claimed(self) -> int: ...
     @property
     def ended(self) -> str | None: ...
@@ -189,8 +182,6 @@ class SlotView(Protocol):
     def job(self) -> str: ...
     @property
     def detached(self) -> bool: ...
-    @property
-    def follows_job(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +312,6 @@ class SlotStore:
             location=location,
             refcount=refcount,
             ttl_deadline=None if ttl is None else now + ttl,
-            staged_at=now,
             given=refcount,
             job=job,
             detached=detached,

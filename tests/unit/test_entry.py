@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ast
 import inspect
+import textwrap
 from pathlib import Path
 
 import ray_velo
 from ray_velo.client.session import Session
 from ray_velo.local import channel
 from ray_velo.owner.service import OwnerService
+from ray_velo.protocol import entry as entry_module
 from ray_velo.protocol import frames
 from ray_velo.protocol.entry import ENTRIES, WIRE_METHODS
 from ray_velo.testing import AgentPair
@@ -53,14 +55,25 @@ def test_the_carriers_tables_are_the_declarations() -> None:
 
 
 def test_the_actors_entry_points_are_methods_written_in_its_class() -> None:
-    """Each entry point is a method the actor's source declares (none added at run time), so
-    a reader finds ``def _rv_release`` where the actor is."""
+    """Each entry point is a method the actor's class body declares (none added at run time),
+    so a reader finds ``_rv_release`` where the actor is: a ``def`` of its own, or
+    ``_rv_release = _served(entries.RV_RELEASE)``, the constant of the same entry."""
     from ray_velo.actors import directory
 
-    source = inspect.getsource(directory._RendezvousActor)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(directory._RendezvousActor)))
+    declared: dict[str, str] = {}
+    for node in tree.body[0].body:  # type: ignore[attr-defined]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            declared[node.name] = node.name
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            (target,) = node.targets
+            (constant,) = node.value.args
+            assert isinstance(target, ast.Name) and isinstance(constant, ast.Attribute)
+            declared[target.id] = getattr(entry_module, constant.attr).name
     for entry in ENTRIES:
-        assert f"def {entry.name}(" in source, entry.name
-        assert entry.name in vars(directory._RendezvousActor), entry.name
+        assert declared.get(entry.name) == entry.name, entry.name
+        method = vars(directory._RendezvousActor)[entry.name]
+        assert method.__name__ == entry.name, entry.name
 
 
 def test_a_process_calls_its_agent_through_a_typed_client() -> None:
