@@ -245,10 +245,6 @@ class _Run:
             raise AssertionError(f"the fetch of {self.handle} has no destination yet")
         return self.dest.buffer
 
-    def _left(self, until: float) -> float:
-        """Seconds left until ``until`` on the agent's clock (at least 1 ms)."""
-        return self.core.clock.left(until)
-
     async def _acquire(self, instruction: Acquire) -> Event:
         budget = self.deadline.budget_ms()
         request = AcquireRequest(
@@ -300,21 +296,11 @@ class _Run:
         return windows if windows.open() else None
 
     def _get(self, instruction: Get) -> Event:
-        answer = instruction.answer
+        core, answer = self.core, instruction.answer
         renewing = self.driver.renewals.renewing(
             self.link, self.handle, answer.lease_id, answer.lease_timeout_ms
         )
-        started = self.core.clock()
-        try:
-            return self._get_timed(instruction, renewing, started)
-        finally:
-            if self.dest.windows is not None:  # whatever ended the GET, it returned
-                self._end_windows(False)
-
-    def _get_timed(
-        self, instruction: Get, renewing: contextlib.AbstractContextManager[None], started: float
-    ) -> Event:
-        core, answer = self.core, instruction.answer
+        started = core.clock()
         try:
             remaining = self.deadline.remaining()
             timeout = remaining if remaining is not None else max(60.0, answer.total_len / 50e6)
@@ -331,7 +317,8 @@ class _Run:
             if self.deadline.expired():
                 return GetExpired(self.deadline.timeout_error(self.handle), unsafe)
             return GetFailed(unsafe)
-        self._end_windows(False)
+        finally:  # whatever ended the GET, it returned
+            self._end_windows(False)
         core.metrics.get_completed(core.clock() - started)
         if core.config.rdma.ucx.ep_idle_timeout is not None:
             core.poke()  # arm the idle-endpoint scan
@@ -395,7 +382,7 @@ class _Run:
                     instruction.descriptor,
                     start,
                     answer.total_len,
-                    self._left(until),
+                    core.clock.left(until),
                 )
         except BaseException:
             if relayed and lent is None:  # the owner must not point anyone else at it
@@ -453,11 +440,11 @@ class _Run:
     def _get_windows(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
         """GET bytes ``[start, total_len)`` of a plain slot window by window, asking for the
         next window's descriptor while the current one moves (:class:`WindowFeed`)."""
-        size, total = answer.window_bytes, answer.total_len
+        size, total, clock = answer.window_bytes, answer.total_len, self.core.clock
         first, count = start // size, -(-total // size)
         self.driver.windowed_gets += 1
         feed = WindowFeed(
-            self.link, self.handle, answer.lease_id, self.core.ucx(), size, total, self.core.clock
+            self.link, self.handle, answer.lease_id, self.core.ucx(), size, total, clock
         )
         with feed:
             feed.ask(first, -1, until)
@@ -468,7 +455,7 @@ class _Run:
                 base = index * size
                 self._get_range(
                     self.link.node, descriptor, max(start, base), min(total, base + size),
-                    self._left(until), pieces, base=base,
+                    clock.left(until), pieces, base=base,
                 )  # fmt: skip
         if self.machine.mode == "hold":  # the lease stays: its windows need not
             done = WindowRequest(self.handle, answer.lease_id, -1, count - 1)
@@ -477,16 +464,16 @@ class _Run:
     def _get_written(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
         """GET bytes ``[start, total_len)`` of a slot its producer is still writing, all
         that is written at each step (:func:`written_range`)."""
-        size, total = answer.window_bytes, answer.total_len
+        size, total, clock = answer.window_bytes, answer.total_len, self.core.clock
         at = start
         while at < total:
             index = at // size
             descriptor, upto = written_range(
                 self.link, self.handle, answer.lease_id, self.core.ucx(), size, total, index,
-                self._left(until), self.core.clock,
+                clock.left(until), clock,
             )  # fmt: skip
             self._get_range(
-                self.link.node, descriptor, at, upto, self._left(until), pieces, base=index * size
+                self.link.node, descriptor, at, upto, clock.left(until), pieces, base=index * size
             )
             at = upto
 
@@ -523,7 +510,7 @@ class _Run:
         dest = buffer.address + base
         if windows is None:
             rdma.get(
-                node, descriptor, dest, self._left(until), buffer.registration,
+                node, descriptor, dest, self.core.clock.left(until), buffer.registration,
                 start=start - base, stop=stop - base,
             )  # fmt: skip
             return
@@ -533,7 +520,7 @@ class _Run:
             end = min(stop, windows.bounds(index)[1])
             registration, _, _ = windows.window(index)
             rdma.get(
-                node, descriptor, dest, self._left(until), registration,
+                node, descriptor, dest, self.core.clock.left(until), registration,
                 start=at - base, stop=end - base,
             )  # fmt: skip
             windows.done_through(index)

@@ -73,14 +73,6 @@ class PeerDirectory:
         self._links: dict[str, RayOwnerLink | WireOwnerLink] = {}
         self._no_ucx: set[tuple[str, int]] = set()  # (node, worker id) without UCX
 
-    def owner_node(self, handle: DataHandle) -> str:
-        if handle.owner_node:
-            return handle.owner_node
-        node = self._node_of_worker(handle.worker_id)
-        if node is None:
-            raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
-        return node
-
     def cached(self, handle: DataHandle) -> RayOwnerLink | WireOwnerLink | None:
         if not handle.owner_node:
             return None  # a lookup in Ray's KV first
@@ -88,7 +80,9 @@ class PeerDirectory:
             return self._links.get(handle.owner_node)
 
     def link(self, handle: DataHandle) -> RayOwnerLink | WireOwnerLink:
-        node = self.owner_node(handle)
+        node = handle.owner_node or self._node_of_worker(handle.worker_id)
+        if node is None:
+            raise HandleNotFound(handle=str(handle), reason="no live agent issued this handle")
         with self._lock:
             link = self._links.get(node)
         if link is not None:

@@ -182,10 +182,9 @@ def read_relay(
 ) -> int:
     """Read the copy of ``handle`` on ``node`` (``copy``: its agent is ``link``) into ``dest``
     as it fills, by ``until`` on the agent's clock: ``get_range(node, descriptor, start, stop,
-    timeout_s)`` GETs each landed
-    range. Returns how many bytes from the start are in ``dest`` (all of them, or as far as
-    it got before the copy failed). A GET that may still write ``dest`` raises (UcxError).
-    """
+    timeout_s)`` GETs each landed range. Returns how many bytes from the start are in ``dest``
+    (all of them, or as far as it got before the copy failed). A GET that may still write
+    ``dest`` raises (UcxError)."""
     handle, node = copy
     total, done, lease_id = dest.nbytes, 0, 0
     try:

@@ -39,10 +39,9 @@ __all__ = [
 #: sender about as much as a socket round trip, and a commit is on the producer's path); and
 #: of those the short changes of the agent's state, run in order with the calls of their
 #: connection (a put's commit lands before the same thread's next fetch of it; the others may
-#: wait on a peer, and run beside them). Declared in ray_velo.protocol.entry.
+#: wait on a peer, and run beside them: ORDERED_NOTICES). Declared in ray_velo.protocol.entry.
 CHANNEL_METHODS = CHANNEL_CALLS
 NOTICE_METHODS = CHANNEL_NOTICES
-_ORDERED_NOTICES = ORDERED_NOTICES
 #: Connections one process holds to its agent at most (one per thread that calls it): the
 #: threads beyond make Ray calls (at most about that many threads call at once, usually).
 MAX_CONNECTIONS = 64
@@ -146,7 +145,7 @@ class ChannelServer:
                     return
                 if not reply:  # a notice: its outcome is not sent
                     task = self._notice(method, args)
-                    if task is not None and method in _ORDERED_NOTICES:
+                    if task is not None and method in ORDERED_NOTICES:
                         await asyncio.wait([task])
                     continue
                 self._busy.add(writer)

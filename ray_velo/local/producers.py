@@ -39,8 +39,6 @@ class ProducerService:
                 placement, kind, registered = core.memory.allocate(
                     nbytes, pinned, core.clock(), rdma_enabled=core.rdma_enabled
                 )
-                if core.memory.warm_up_wanted:
-                    core.poke()  # a spare arena of this size, for the next payload
             else:
                 mapped = core.memory.allocate_mapped(
                     nbytes, core.clock(), rdma_enabled=core.rdma_enabled
@@ -50,8 +48,8 @@ class ProducerService:
                     core.poke()  # the timer maps an arena for the next payload
                     return None
                 placement, kind, registered = mapped
-                if core.memory.warm_up_wanted:
-                    core.poke()  # a spare arena of this size, for the next payload
+            if core.memory.warm_up_wanted:
+                core.poke()  # a spare arena of this size, for the next payload
         with core.changing() as fx:
             if core.closed:
                 if placement is not None:

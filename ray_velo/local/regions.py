@@ -15,7 +15,7 @@ from ray_velo.memory.arena import ShmArena
 from ray_velo.memory.pool import NoopRegistrar
 from ray_velo.memory.region import DrainTimedOut, Region
 from ray_velo.protocol import DataHandle, TypeHeader
-from ray_velo.state.owner import Effects, RegionSlot
+from ray_velo.state.owner import RegionSlot
 
 __all__ = ["RegionService"]
 
@@ -38,9 +38,6 @@ class RegionService:
         self._regions: dict[int, _OwnedRegion] = {}
         self._noop = NoopRegistrar()
 
-    def _registrar(self) -> object:
-        return self.core.memory.registrar or self._noop
-
     def alloc(self, nbytes: int, pid: int) -> RegionInfo:
         """Registered memory process ``pid`` owns and writes.
 
@@ -58,7 +55,7 @@ class RegionService:
             region = Region(
                 arena.address,
                 nbytes,
-                self._registrar(),  # type: ignore[arg-type]
+                core.memory.registrar or self._noop,
                 core.memory.budget,
                 on_released=arena.close,
             )
@@ -115,16 +112,13 @@ class RegionService:
         with self._lock:
             self._regions.pop(region_id, None)
         with core.changing() as fx:
-            self._end_slots_in(owned.region, fx)
+            state, now = core.state, core.clock()
+            for slot in list(state.slots()):
+                location = slot.location
+                if isinstance(location, RegionSlot) and location.region is owned.region:
+                    state.evict(core.handle(slot.slot_id), "its region was unregistered", now, fx)
         self._publish()
         return "drain_timed_out" if isinstance(result, DrainTimedOut) else "drained"
-
-    def _end_slots_in(self, region: Region, fx: Effects) -> None:
-        state, now = self.core.state, self.core.clock()
-        for slot in list(state.slots()):
-            location = slot.location
-            if isinstance(location, RegionSlot) and location.region is region:
-                state.evict(self.core.handle(slot.slot_id), "its region was unregistered", now, fx)
 
     def deregistered(self, region_id: int, timeout_s: float | None) -> bool:
         """Wait up to ``timeout_s`` for the region's release signal; True once released."""

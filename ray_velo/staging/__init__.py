@@ -4,33 +4,8 @@
 May import: errors, config, _ray, protocol, state, local, client, api.
 """
 
-from ray_velo.staging.resolution import (
-    Resolution,
-    discard_tree,
-    resolve,
-    resolve_stream,
-    stage_tree,
-)
-from ray_velo.staging.tree import StagedValue, TransferOptions, visit, walk
-from ray_velo.staging.wrappers import (
-    TransferActorClass,
-    TransferActorHandle,
-    TransferFunction,
-    transfer,
-)
+from ray_velo.staging.resolution import resolve, resolve_stream
+from ray_velo.staging.tree import StagedValue, TransferOptions
+from ray_velo.staging.wrappers import transfer
 
-__all__ = [
-    "Resolution",
-    "StagedValue",
-    "TransferActorClass",
-    "TransferActorHandle",
-    "TransferFunction",
-    "TransferOptions",
-    "discard_tree",
-    "resolve",
-    "resolve_stream",
-    "stage_tree",
-    "transfer",
-    "visit",
-    "walk",
-]
+__all__ = ["StagedValue", "TransferOptions", "resolve", "resolve_stream", "transfer"]

@@ -199,17 +199,6 @@ class Resolution:
             session.claim_end(handle, consume)
 
 
-def _get_refs(value: Any, timeout: float | None) -> Any:
-    """``value`` with every ObjectRef in it (at any depth of lists, tuples and dicts)
-    replaced by its value, all fetched with one ``ray.get``."""
-    refs: list[Any] = []
-    visit(value, lambda leaf: refs.append(leaf) if isinstance(leaf, ray.ObjectRef) else None)
-    if not refs:
-        return value
-    got = dict(zip(refs, ray.get(refs, timeout=timeout), strict=True))
-    return walk(value, lambda leaf: got[leaf] if isinstance(leaf, ray.ObjectRef) else leaf)
-
-
 def resolve(value: Any, *, timeout: float | None = None) -> Any:
     """A call's result with every staged payload fetched (for the driver or any undecorated
     code); each staged value is consumed. Accepts an ObjectRef, a list or dict of them, or
@@ -220,7 +209,12 @@ def resolve(value: Any, *, timeout: float | None = None) -> Any:
         HandleReleased: a staged value was resolved more times than its ``consumers``.
         TransferTimeout, OwnerDied, PayloadTooLarge: as for :func:`ray_velo.fetch`.
     """
-    return Resolution("release").tree(_get_refs(value, timeout))
+    refs: list[Any] = []
+    visit(value, lambda leaf: refs.append(leaf) if isinstance(leaf, ray.ObjectRef) else None)
+    if refs:
+        got = dict(zip(refs, ray.get(refs, timeout=timeout), strict=True))
+        value = walk(value, lambda leaf: got[leaf] if isinstance(leaf, ray.ObjectRef) else leaf)
+    return Resolution("release").tree(value)
 
 
 def discard_tree(value: Any) -> None:

@@ -31,10 +31,6 @@ _RAW = "__ray_velo_raw__"  # a decorated method's undecorated function
 # --- the callee side --------------------------------------------------------------------------
 
 
-def _budget(options: TransferOptions) -> float | None:
-    return options.fetch_timeout
-
-
 def _callee(
     fn: Callable[..., Any], options: TransferOptions, *, retried_on_error: bool = False
 ) -> Callable[..., Any]:
@@ -63,7 +59,7 @@ def _callee(
                         continue
                     staged = None
                     try:
-                        staged = stage_tree(item, options, _budget(options))
+                        staged = stage_tree(item, options, options.fetch_timeout)
                         yield staged
                     except BaseException:
                         _drop_unsent(staged)
@@ -83,7 +79,7 @@ def _callee(
             args, kwargs = resolution.tree((args, kwargs))
             result = fn(*args, **kwargs)
             if options.stage_returns:
-                result = stage_tree(result, options, _budget(options))
+                result = stage_tree(result, options, options.fetch_timeout)
             ok = True
             return result
         finally:
@@ -106,7 +102,7 @@ def _async_callee(
             args, kwargs = await asyncio.to_thread(resolution.tree, (args, kwargs))
             result = await fn(*args, **kwargs)
             if options.stage_returns:
-                result = await asyncio.to_thread(stage_tree, result, options, _budget(options))
+                result = await asyncio.to_thread(stage_tree, result, options, options.fetch_timeout)
             ok = True
             return result
         finally:
@@ -132,7 +128,9 @@ def _async_generator_callee(
                     continue
                 staged = None
                 try:
-                    staged = await asyncio.to_thread(stage_tree, item, options, _budget(options))
+                    staged = await asyncio.to_thread(
+                        stage_tree, item, options, options.fetch_timeout
+                    )
                     yield staged
                 except BaseException:
                     await asyncio.to_thread(_drop_unsent, staged)
@@ -161,7 +159,7 @@ def _stage_call(args: tuple[Any, ...], kwargs: dict[str, Any], options: Transfer
     # An argument goes to exactly one callee: consumers=N is for results (fan-out), and an
     # argument staged with N references would keep N-1 of them until its TTL.
     single = dataclasses.replace(options, consumers=1)
-    return stage_tree((args, kwargs), single, _budget(options))
+    return stage_tree((args, kwargs), single, options.fetch_timeout)
 
 
 class TransferFunction:
@@ -244,7 +242,8 @@ class TransferActorClass:
         self._methods: dict[str, TransferOptions] = {}
         if _inner is None:
             namespace: dict[str, Any] = {}
-            class_retries = bool(_actor_options(actor_class).get("max_task_retries"))
+            creation = _actor_options(actor_class)
+            class_retries = bool(creation.get("max_task_retries"))
             for name, method_options in _inner_methods(user_class, options):
                 self._methods[name] = method_options
                 method = getattr(user_class, name)
@@ -262,7 +261,6 @@ class TransferActorClass:
             staged_class = type(user_class.__name__, (user_class,), namespace)
             staged_class.__qualname__ = user_class.__qualname__
             staged_class.__module__ = user_class.__module__
-            creation = _actor_options(actor_class)
             _inner = ray.remote(**creation)(staged_class) if creation else ray.remote(staged_class)
         else:
             self._methods = dict(_inner_methods(user_class, options))

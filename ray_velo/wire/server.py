@@ -66,7 +66,7 @@ class WireServer:
         tls = self.auth.tls is not None
 
         def connection() -> asyncio.StreamReaderProtocol:
-            return _Connection(asyncio.StreamReader(loop=loop), self._serve, hold=tls)
+            return _Connection(asyncio.StreamReader(loop=loop), self.serve_connection, hold=tls)
 
         self._server = await loop.create_server(connection, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -76,9 +76,6 @@ class WireServer:
     ) -> None:
         """One connection, handshake first (the listener's callback; tests call it on
         in-memory streams)."""
-        await self._serve(reader, writer)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         try:
             if not await self._authenticated(reader, writer):
