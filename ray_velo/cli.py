@@ -188,7 +188,6 @@ def _add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
 
 
 def _add_soak_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``ray-velo soak``: duration, consumers, cluster and seed."""
     soak = sub.add_parser(
         "soak", help="mixed traffic across two nodes; fails if anything grows past its slack"
     )
@@ -204,7 +203,6 @@ def _add_soak_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _add_doctor_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``ray-velo doctor``: this machine's Ray, UCX and torch, and what each allows."""
     doctor = sub.add_parser(
         "doctor",
         help="which Ray (auth, TLS), UCX and torch ray_velo runs with, and what each allows",
@@ -214,7 +212,6 @@ def _add_doctor_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _add_grafana_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``ray-velo grafana``: where to install the dashboard."""
     grafana = sub.add_parser("grafana", help="install the Grafana dashboard for Ray's Grafana")
     grafana.add_argument("--dir", help="install here (default: where Ray's Grafana reads)")
     grafana.add_argument(

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "AgentDied",
@@ -40,12 +40,20 @@ def _rebuild(cls: type[VeloError], message: str | None, fields: dict[str, Any]) 
     return cls(message, **fields)
 
 
+class _Fields(dict[str, Any]):
+    def __missing__(self, name: str) -> None:  # a field not given reads None
+        return None
+
+
 class VeloError(Exception):
     """Root of every ray_velo error.
 
-    Subclasses declare their structured fields as keyword arguments and override
-    :meth:`_describe` to build the message from them. An explicit ``message`` wins.
+    Subclasses declare their structured fields as keyword arguments and build the message
+    from them: a ``_template`` (``str.format`` names the fields) or, where that is not enough,
+    an override of :meth:`_describe`. An explicit ``message`` wins.
     """
+
+    _template: ClassVar[str | None] = None
 
     def __init__(self, message: str | None = None, **fields: Any) -> None:
         self.fields = fields
@@ -55,13 +63,15 @@ class VeloError(Exception):
         super().__init__(self.message)
 
     def _describe(self) -> str:
+        if self._template is not None:
+            return self._template.format_map(_Fields(self.fields))
         return ", ".join(f"{k}={v!r}" for k, v in self.fields.items()) or type(self).__name__
 
     def __reduce__(self) -> tuple[Any, ...]:
         explicit = self.message if self.message != self._describe() else None
         return (_rebuild, (type(self), explicit, self.fields))
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # comes before KeyError's (no quotes) in the subclasses' MRO
         return self.message
 
 
@@ -71,38 +81,32 @@ class VeloError(Exception):
 class ConfigError(VeloError, ValueError):
     """A configuration value breaks a rule. Fields: ``field``, ``value``, ``rule``."""
 
-    def _describe(self) -> str:
-        f = self.fields
-        return f"invalid config {f.get('field')}={f.get('value')!r}: {f.get('rule')}"
+    _template = "invalid config {field}={value!r}: {rule}"
 
 
 class UnsupportedPayload(VeloError, TypeError):
     """``put`` got an object it cannot stage. Fields: ``type_name``."""
 
-    def _describe(self) -> str:
-        return (
-            f"cannot stage a {self.fields.get('type_name')}: pass a numpy array, a bytes-like "
-            "object (bytes, bytearray, memoryview) or a torch tensor on the CPU or a CUDA device"
-        )
+    _template = (
+        "cannot stage a {type_name}: pass a numpy array, a bytes-like object (bytes, bytearray, "
+        "memoryview) or a torch tensor on the CPU or a CUDA device"
+    )
 
 
 class RayFeatureUnavailable(VeloError, RuntimeError):
     """A ray_velo feature needs something this Ray does not have. Fields: ``feature``,
     ``needs`` (the Ray version or API it needs), ``found`` (this Ray's version)."""
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"{f.get('feature')} needs {f.get('needs')}; this is Ray {f.get('found')}. "
-            "Upgrade Ray for it; everything else of ray_velo works on this Ray"
-        )
+    _template = (
+        "{feature} needs {needs}; this is Ray {found}. Upgrade Ray for it; everything else of "
+        "ray_velo works on this Ray"
+    )
 
 
 class NotInitialized(VeloError, RuntimeError):
     """The library was used before ``ray_velo.init()`` or after ``shutdown()``."""
 
-    def _describe(self) -> str:
-        return "ray_velo is not initialized: call ray_velo.init() first"
+    _template = "ray_velo is not initialized: call ray_velo.init() first"
 
 
 # --- handles and leases -----------------------------------------------------------------
@@ -129,9 +133,6 @@ class HandleNotFound(HandleError, KeyError):
             else ": it was released, its TTL expired, or its owner restarted"
         )
         return f"handle {self.fields.get('handle')} not found{where}{why}; stage the data again"
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.message
 
     @property
     def released(self) -> bool:
@@ -163,15 +164,10 @@ class LeaseNotFound(HandleError, KeyError):
     Fields: ``handle``, ``lease_id``.
     """
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"lease {f.get('lease_id')} on handle {f.get('handle')} is not held: it was released, "
-            "or reaped after its deadline passed without renewal"
-        )
-
-    def __str__(self) -> str:
-        return self.message
+    _template = (
+        "lease {lease_id} on handle {handle} is not held: it was released, or reaped after its "
+        "deadline passed without renewal"
+    )
 
 
 # --- memory -----------------------------------------------------------------------------
@@ -187,13 +183,11 @@ class SharedMemoryTooSmall(MemoryError_, OSError):
     Fields: ``directory``, ``free_bytes``, ``requested_bytes``.
     """
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"shared-memory directory {f.get('directory')} has {f.get('free_bytes')} bytes free, "
-            f"{f.get('requested_bytes')} requested: enlarge it (e.g. docker --shm-size) or set "
-            "VeloConfig(shm_dir=...) to a larger tmpfs"
-        )
+    _template = (
+        "shared-memory directory {directory} has {free_bytes} bytes free, {requested_bytes} "
+        "requested: enlarge it (e.g. docker --shm-size) or set VeloConfig(shm_dir=...) to a "
+        "larger tmpfs"
+    )
 
 
 class BudgetExceeded(MemoryError_):
@@ -202,20 +196,16 @@ class BudgetExceeded(MemoryError_):
     Fields: ``requested_bytes``, ``registered_bytes``, ``budget_bytes``.
     """
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"registering {f.get('requested_bytes')} bytes would exceed registered_bytes_budget "
-            f"({f.get('registered_bytes')} of {f.get('budget_bytes')} bytes already registered)"
-        )
+    _template = (
+        "registering {requested_bytes} bytes would exceed registered_bytes_budget "
+        "({registered_bytes} of {budget_bytes} bytes already registered)"
+    )
 
 
 class PoolExhausted(MemoryError_):
     """The arena pool cannot allocate. Fields: ``requested_bytes``, ``reason``."""
 
-    def _describe(self) -> str:
-        f = self.fields
-        return f"arena pool cannot allocate {f.get('requested_bytes')} bytes: {f.get('reason')}"
+    _template = "arena pool cannot allocate {requested_bytes} bytes: {reason}"
 
 
 class RegionError(VeloError):
@@ -225,8 +215,7 @@ class RegionError(VeloError):
 class RegionDeregistered(RegionError):
     """The region is deregistering or deregistered. Fields: ``region``."""
 
-    def _describe(self) -> str:
-        return f"region {self.fields.get('region')} is deregistered; register the memory again"
+    _template = "region {region} is deregistered; register the memory again"
 
 
 class StagingError(VeloError):
@@ -238,11 +227,10 @@ class AgentShuttingDown(StagingError):
     new staging, fetch or GET. A subclass of StagingError, which it was before it had a name
     of its own. Fields: ``node``."""
 
-    def _describe(self) -> str:
-        return (
-            f"the ray_velo agent on node {self.fields.get('node')} is shutting down: it takes "
-            "nothing new; call ray_velo.init() again once it is gone for a fresh one"
-        )
+    _template = (
+        "the ray_velo agent on node {node} is shutting down: it takes nothing new; call "
+        "ray_velo.init() again once it is gone for a fresh one"
+    )
 
 
 # --- caused by the world or the peer ---------------------------------------------------
@@ -255,8 +243,7 @@ class ProtocolError(VeloError):
 class DescriptorError(ProtocolError, ValueError):
     """An RDMA descriptor or packed key does not decode byte for byte. Fields: ``reason``."""
 
-    def _describe(self) -> str:
-        return f"RDMA descriptor refused: {self.fields.get('reason')}"
+    _template = "RDMA descriptor refused: {reason}"
 
 
 class WireAuthError(ProtocolError):
@@ -296,25 +283,20 @@ class TransferTimeout(TransferError, TimeoutError):
 class OwnerDied(TransferError):
     """The owner agent (or its node) is gone. Fields: ``handle``, ``node``."""
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"owner of handle {f.get('handle')} on node {f.get('node')} died or left the "
-            "cluster; its staged data is lost, stage it again"
-        )
+    _template = (
+        "owner of handle {handle} on node {node} died or left the cluster; its staged data is "
+        "lost, stage it again"
+    )
 
 
 class OwnerUnreachable(TransferError):
     """Ray reports the owner's agent unavailable (stalled, or being restarted), not dead.
     Fields: ``handle``, ``node``."""
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"owner of handle {f.get('handle')} on node {f.get('node')} does not answer (Ray "
-            "reports it unavailable, not dead): it may be stalled or restarting; retry later "
-            "or bound the fetch with timeout="
-        )
+    _template = (
+        "owner of handle {handle} on node {node} does not answer (Ray reports it unavailable, "
+        "not dead): it may be stalled or restarting; retry later or bound the fetch with timeout="
+    )
 
 
 class PayloadTooLarge(TransferError):
@@ -323,29 +305,24 @@ class PayloadTooLarge(TransferError):
     Fields: ``handle``, ``size_bytes``, ``limit_bytes``.
     """
 
-    def _describe(self) -> str:
-        f = self.fields
-        return (
-            f"payload of handle {f.get('handle')} is {f.get('size_bytes')} bytes, over this "
-            f"node's staged_payload_max of {f.get('limit_bytes')} bytes; the staged copy was "
-            "released. Raise VeloConfig.staged_payload_max or send less"
-        )
+    _template = (
+        "payload of handle {handle} is {size_bytes} bytes, over this node's staged_payload_max "
+        "of {limit_bytes} bytes; the staged copy was released. Raise "
+        "VeloConfig.staged_payload_max or send less"
+    )
 
 
 class AgentDied(VeloError):
     """This node's own agent died during a call. The next call starts a fresh agent; the
     payloads the dead one staged are lost."""
 
-    def _describe(self) -> str:
-        return (
-            "this node's ray_velo agent died during the call; the next call starts a new "
-            "one (payloads it had staged are lost, stage them again)"
-        )
+    _template = (
+        "this node's ray_velo agent died during the call; the next call starts a new one "
+        "(payloads it had staged are lost, stage them again)"
+    )
 
 
 class UcxError(TransferError):
     """A UCX call failed. Fields: ``operation``, ``status`` (ucs_status_t), ``status_text``."""
 
-    def _describe(self) -> str:
-        f = self.fields
-        return f"UCX {f.get('operation')} failed: {f.get('status_text')} (status {f.get('status')})"
+    _template = "UCX {operation} failed: {status_text} (status {status})"

@@ -411,60 +411,26 @@ def prometheus_registry(snapshots: dict[str, dict[str, Any]]) -> CollectorRegist
     return registry
 
 
-def _snapshot_families(snapshots: dict[str, dict[str, Any]]) -> Iterator[Metric]:
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
-
-    make = {
-        "counter": CounterMetricFamily,
-        "gauge": GaugeMetricFamily,
-        "histogram": HistogramMetricFamily,
-    }
-    families = {
-        key: make[series.kind](series.name, series.help, labels=(*series.labels, "node"))
-        for key, series in _SERIES.items()
-        if series.exported_by != "ray"
-    }
-    for node, snap in sorted(snapshots.items()):
-        _add_snapshot(families, node, snap)
-    yield from families.values()
+#: Series an older agent's snapshot may lack: they render as 0 for it.
+_NEWER_SERIES = frozenset(
+    {"inline", "relayed", "device_staged", "wire_auth_failures", "socket_auth_failures"}
+)
 
 
 def _add_snapshot(families: dict[str, Any], node: str, snap: dict[str, Any]) -> None:
-    """One agent's snapshot (:meth:`AgentMetrics.snapshot`) as samples labelled ``node``."""
-    for key, n in snap["velo_rendezvous_rdma_path_total"].items():
-        p, reason = key.split("/", 1)
-        families["path"].add_metric((p, reason, node), n)
-    histogram = snap["velo_rendezvous_rdma_get_duration_seconds"]
-    families["get_duration"].add_metric(
-        (node,), list(histogram["buckets"].items()), sum_value=histogram["sum"]
-    )
-    families["reaped"].add_metric((node,), snap["velo_rendezvous_rdma_leases_reaped_total"])
-    families["registered"].add_metric((node,), snap["velo_rdma_registered_bytes"])
-    for kind, n in snap["velo_rdma_registrations_total"].items():
-        families["registrations"].add_metric((kind, node), n)
-    families["live_regions"].add_metric((node,), snap["velo_rdma_live_regions"])
-    for p, n in snap["velo_bytes_moved_total"].items():
-        families["bytes_moved"].add_metric((p, node), n)
-    for p, n in snap["velo_fetches_total"].items():
-        families["fetches"].add_metric((p, node), n)
-    families["live_slots"].add_metric((node,), snap["velo_live_slots"])
-    families["staged_bytes"].add_metric((node,), snap["velo_staged_bytes"])
-    for pool, n in snap["velo_arenas"].items():
-        families["arenas"].add_metric((pool, node), n)
-    families["budget"].add_metric((node,), snap["velo_rdma_budget_bytes"])
-    families["inline"].add_metric((node,), snap.get("velo_transparent_inline_total", 0))
-    families["relayed"].add_metric((node,), snap.get("velo_relay_fetches_total", 0))
-    for reason, n in snap.get("velo_device_staged_total", {}).items():
-        families["device_staged"].add_metric((reason, node), n)
-    for reason, n in snap.get("velo_wire_auth_failures_total", {}).items():
-        families["wire_auth_failures"].add_metric((reason, node), n)
-    families["socket_auth_failures"].add_metric(
-        (node,), snap.get("velo_socket_auth_failures_total", 0)
-    )
+    """One agent's snapshot (:meth:`AgentMetrics.snapshot`, which keys a counter by its name
+    and ``_total``, as a scrape shows it) as samples labelled ``node``."""
+    for key, family in families.items():
+        series = _SERIES[key]
+        name = series.name + ("_total" if series.kind == "counter" else "")
+        value = snap.get(name, {} if series.labels else 0) if key in _NEWER_SERIES else snap[name]
+        if series.kind == "histogram":
+            family.add_metric((node,), list(value["buckets"].items()), sum_value=value["sum"])
+        elif series.labels:
+            for labels, n in value.items():  # the path counter's key is "path/reason"
+                family.add_metric((*labels.split("/", len(series.labels) - 1), node), n)
+        else:
+            family.add_metric((node,), value)
 
 
 class _SnapshotCollector:
@@ -474,4 +440,22 @@ class _SnapshotCollector:
         self._snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
-        return _snapshot_families(self._snapshots)
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        make = {
+            "counter": CounterMetricFamily,
+            "gauge": GaugeMetricFamily,
+            "histogram": HistogramMetricFamily,
+        }
+        families = {
+            key: make[series.kind](series.name, series.help, labels=(*series.labels, "node"))
+            for key, series in _SERIES.items()
+            if series.exported_by != "ray"
+        }
+        for node, snap in sorted(self._snapshots.items()):
+            _add_snapshot(families, node, snap)
+        yield from families.values()

@@ -39,19 +39,14 @@ class NodeCleanup:
     removed: list[tuple[str, int]] = field(default_factory=list)
     error: str = ""
 
-    @property
-    def nbytes(self) -> int:
-        return sum(n for _, n in self.removed)
+
+def _remove_on_node(shm_dir: str) -> list[tuple[str, int]]:
+    return [(s.path, s.nbytes) for s in remove_stale_segments(shm_dir)]
 
 
 def cleanup_local(shm_dir: str) -> NodeCleanup:
     """Remove the dead processes' segments in ``shm_dir`` on this machine."""
-    removed = [(s.path, s.nbytes) for s in remove_stale_segments(shm_dir)]
-    return NodeCleanup(node_id="this machine", via="local", removed=removed)
-
-
-def _remove_on_node(shm_dir: str) -> list[tuple[str, int]]:
-    return [(s.path, s.nbytes) for s in remove_stale_segments(shm_dir)]
+    return NodeCleanup(node_id="this machine", via="local", removed=_remove_on_node(shm_dir))
 
 
 def cleanup_cluster(shm_dir: str) -> list[NodeCleanup]:
@@ -110,7 +105,6 @@ def cluster_status() -> list[dict[str, Any]]:
 def runtime_report() -> dict[str, Any]:
     """What this process runs ray_velo with, and what each allows (``ray-velo doctor``, the
     first line of ``ray-velo status``): Ray (and its auth and TLS settings), UCX, torch."""
-    import os
     import sys
 
     import ray

@@ -137,9 +137,7 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
                 tensor_meta=tensor_meta, tensor_device=device, offsets=[None] * len(parts)
             )
         # One slot for the whole object: one reservation here, one GET for each receiver.
-        staged = session.stage_packed(
-            packed, ttl=None, follow_producer=True, staged_from=self._staged_from(device)
-        )
+        staged = session.stage_packed(packed, ttl=None, follow_producer=True, staged_from=device)
         assert staged is not None  # a reservation that may map is never declined
         handle, starts = staged
         at = iter(starts)
@@ -249,10 +247,6 @@ class VeloNumpyTransport(_RDT.manager):  # type: ignore[name-defined,misc]
         return np.ascontiguousarray(value).reshape(-1).view(np.uint8)
 
     @staticmethod
-    def _staged_from(device: str | None) -> str | None:
-        return None
-
-    @staticmethod
     def _empty(shape: Any, dtype: Any) -> Any:
         return np.empty(shape, dtype=dtype)
 
@@ -303,10 +297,6 @@ class VeloTensorTransport(VeloNumpyTransport):
         # Raw bytes: any dtype travels, bfloat16 included (numpy has none). A CUDA tensor is
         # copied to host memory once (no GPU arena yet), and the agent counts it as such.
         return host_tensor(value).reshape(-1).view(_uint8()).numpy()  # type: ignore[no-any-return]
-
-    @staticmethod
-    def _staged_from(device: str | None) -> str | None:
-        return device
 
     @staticmethod
     def _empty(shape: Any, dtype: Any) -> Any:
@@ -517,17 +507,12 @@ class _Ordinary:
         self.value = value
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        reducer = _torch_zero_copy_reducer(self.value)
-        if reducer is not None:
-            return reducer(self.value)
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(self.value, torch.Tensor):
+            reducer = _ray.torch_zero_copy_reducer()
+            if reducer is not None:
+                return reducer(self.value)
         return self.value.__reduce_ex__(protocol)
-
-
-def _torch_zero_copy_reducer(value: Any) -> Any:
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(value, torch.Tensor):
-        return None
-    return _ray.torch_zero_copy_reducer()
 
 
 def _serialize(value: Any) -> Any:

@@ -46,21 +46,22 @@ def _proof(secret: bytes, label: bytes, client_nonce: bytes, server_nonce: bytes
     return hmac.digest(secret, label + client_nonce + server_nonce, hashlib.sha256)
 
 
-def _check_lengths(secret: bytes, nonce: bytes) -> None:
-    if len(secret) < 16:
-        raise ValueError(f"the wire secret must be at least 16 bytes, got {len(secret)}")
-    if len(nonce) != NONCE_BYTES:
-        raise ValueError(f"a handshake nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
-
-
-class ServerHandshake:
-    """The owner's side: :meth:`challenge` answers the hello, :meth:`accept` the proof."""
+class _Side:
+    """What either side holds: the cluster secret and its own nonce."""
 
     def __init__(self, secret: bytes, nonce: bytes) -> None:
-        _check_lengths(secret, nonce)
+        if len(secret) < 16:
+            raise ValueError(f"the wire secret must be at least 16 bytes, got {len(secret)}")
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError(f"a handshake nonce is {NONCE_BYTES} bytes, got {len(nonce)}")
         self._secret = secret
         self._nonce = nonce
-        self._client_nonce: bytes | None = None
+
+
+class ServerHandshake(_Side):
+    """The owner's side: :meth:`challenge` answers the hello, :meth:`accept` the proof."""
+
+    _client_nonce: bytes | None = None  # the consumer's, once its hello came
 
     def challenge(self, hello: bytes) -> bytes:
         """The CHALLENGE for a consumer's HELLO.
@@ -89,14 +90,9 @@ class ServerHandshake:
         return MAGIC
 
 
-class ClientHandshake:
+class ClientHandshake(_Side):
     """The consumer's side: :meth:`hello`, then :meth:`prove` on the owner's challenge, then
     :meth:`accepted` on its last answer."""
-
-    def __init__(self, secret: bytes, nonce: bytes) -> None:
-        _check_lengths(secret, nonce)
-        self._secret = secret
-        self._nonce = nonce
 
     def hello(self) -> bytes:
         """The HELLO that opens the handshake."""

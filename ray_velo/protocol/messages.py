@@ -16,7 +16,6 @@ from ray_velo.protocol.handle import DataHandle
 __all__ = [
     "NULL_HANDLE",
     "AcquireRequest",
-    "AcquireResponse",
     "CopyNotice",
     "DetachRequest",
     "LeaseRenewRequest",
@@ -179,9 +178,6 @@ class Rdma:
     window_bytes: int = 0
 
 
-AcquireResponse = Ready | Rdma
-
-
 @dataclass(frozen=True, slots=True)
 class PullRequest:
     """``_rv_pull``: chunk ``index`` of chunked transfer ``transfer_id``; renews its lease."""
@@ -297,6 +293,9 @@ class WindowAnswer:
 Message = TypeVar("Message")
 
 _ACQUIRE_KINDS: dict[str, type[Ready] | type[Rdma]] = {"ready": Ready, "rdma": Rdma}
+#: Field types read from one wire value, and those read from a list of them.
+_SCALARS: dict[str, type] = {"int": int, "bool": bool, "str": str}
+_TUPLES: dict[str, type] = {"tuple[str, ...]": str, "tuple[int, ...]": int}
 
 
 def _to_wire(value: Any) -> Any:
@@ -312,10 +311,9 @@ def _to_wire(value: Any) -> Any:
 def encode(message: Any) -> bytes:
     """msgpack bytes of a message dataclass (an acquire answer carries its kind)."""
     wire = _to_wire(message)
-    if isinstance(message, Ready):
-        wire["kind"] = "ready"
-    elif isinstance(message, Rdma):
-        wire["kind"] = "rdma"
+    for kind, cls in _ACQUIRE_KINDS.items():
+        if isinstance(message, cls):
+            wire["kind"] = kind
     return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -343,16 +341,11 @@ def _from_wire(cls: type[Message], wire: Any) -> Message:
             kwargs[f.name] = None if raw is None else _from_wire(RdmaOffer, raw)
         elif kind == "TypeHeader":
             kwargs[f.name] = _from_wire(TypeHeader, raw)
-        elif kind == "tuple[str, ...]":
-            kwargs[f.name] = tuple(_expect(v, str, where) for v in _expect(raw, list, where))
-        elif kind == "tuple[int, ...]":
-            kwargs[f.name] = tuple(_expect(v, int, where) for v in _expect(raw, list, where))
-        elif kind == "int":
-            kwargs[f.name] = _expect(raw, int, where)
-        elif kind == "bool":
-            kwargs[f.name] = _expect(raw, bool, where)
-        elif kind == "str":
-            kwargs[f.name] = _expect(raw, str, where)
+        elif kind in _TUPLES:
+            items = _expect(raw, list, where)
+            kwargs[f.name] = tuple(_expect(v, _TUPLES[kind], where) for v in items)
+        elif kind in _SCALARS:
+            kwargs[f.name] = _expect(raw, _SCALARS[kind], where)
         elif kind == "bytes":
             kwargs[f.name] = bytes(_expect(raw, (bytes, bytearray), where))
         else:  # pragma: no cover - a new field type needs a branch here
