@@ -76,7 +76,7 @@ WIRE_AUTH_HELP = (
 )
 SOCKET_AUTH_HELP = "Connections to the agent's Unix socket from another user, closed unread."
 #: The help text of ``velo_relay_fetches`` (Ray's export and the standalone registry).
-RELAY_HELP = "Fetches whose bytes came (some or all) from another node's copy, not the owner."
+RELAY_HELP = "Fetches whose bytes came (some or all) from a copy (another node's or this node's), not the owner."
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +326,7 @@ class AgentMetrics:
             self._ray["fetch_duration"].observe(seconds, {"path": path})
 
     def relayed(self) -> None:
-        """Count one fetch whose bytes came (some or all) from another node's copy."""
+        """Count one fetch whose bytes came (some or all) from a copy, not the owner."""
         with self._lock:
             self.relay_fetches_total += 1
         if self._ray is not None:

@@ -174,8 +174,8 @@ def format_broadcast(rows: dict[str, dict[str, Any]], k: int, hosts: int) -> str
         m = row["velo_moved"]
         lines.append(
             f"{'':>8} per round, VELO's receivers moved the weights over a link "
-            f"{m['transfers']:.1f} times, {m['relayed']:.1f} of them from another receiver "
-            f"host's copy (host a's link carried them {m['transfers'] - m['relayed']:.1f} times)"
+            f"{m['transfers']:.1f} times, {m['relayed']:.1f} of them from another receiver's "
+            f"copy (host a's link carried them {m['transfers'] - m['relayed']:.1f} times)"
         )
         if not row["consistent"]:
             lines.append("  WARNING: the rollout actors read different values")

@@ -78,7 +78,7 @@ def agent_counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
 
 def per_round(before: Counter[str], after: Counter[str], reps: int) -> dict[str, float]:
     """Per measured round: transfers over a link (rdma + chunked), of which relayed (from
-    another reader host's copy rather than host a), node-local copies read, and payloads
+    another reader's copy rather than host a), node-local copies read, and payloads
     that rode inside Ray's call (``inline``: no transfer of ours)."""
     moved = after - before  # Counter subtraction keeps the positive deltas only
     return {
@@ -222,7 +222,7 @@ def format_fan_out(
         lines.append(
             f"{'':>8} per round, {agents} moved the bytes over a link "
             f"{row.get('velo_transfers', 0):.1f} times for {k} readers "
-            f"({row.get('velo_relayed', 0):.1f} relayed from another reader host's copy, "
+            f"({row.get('velo_relayed', 0):.1f} relayed from another reader's copy, "
             f"not host a's; {row.get('velo_copies', 0):.1f} read a node-local copy; "
             f"{row.get('velo_inline', 0):.1f} rounds rode inside Ray's call); the slowest "
             f"round's velo/Ray speed {row.get('velo_slowest_round_speed', 0):.2f}x"

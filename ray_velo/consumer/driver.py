@@ -4,6 +4,7 @@ with its lease renewal, the pulls, and the ledger moves. The machine decides; th
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import threading
@@ -15,7 +16,13 @@ from ray_velo.agent.clock import Clock, Deadline
 from ray_velo.agent.core import AgentCore
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
-from ray_velo.consumer.relay import copy_gone_notice, read_relay
+from ray_velo.consumer.relay import (
+    OwnRelayLink,
+    RelayLink,
+    RelayServer,
+    copy_gone_notice,
+    read_relay,
+)
 from ray_velo.consumer.windows import WindowFeed, written_range
 from ray_velo.errors import (
     AgentShuttingDown,
@@ -359,7 +366,9 @@ class _Run:
                     self.handle, self._buffer(), answer.total_len
                 )
             relayed = lent is not None
-            if not relayed:  # an older copy here still has readers: nobody reads this one
+            own = (answer.relay_node, answer.relay_worker) == (core.node_id, core.worker_id)
+            if not relayed and not own:  # an older copy here still has readers: nobody
+                # reads this one (the copy it reads, another receiver's here, still serves)
                 self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
@@ -423,10 +432,14 @@ class _Run:
         that could not serve them all is reported gone to the owner."""
         node, worker = answer.relay_node, answer.relay_worker
         peers = self.driver.peers
-        if not peers.registered(node, worker):  # its UCX address, over a Ray call, once
-            with contextlib.suppress(VeloError):
-                peers.learn(peers.link(DataHandle(worker, 0, node)), worker, self.deadline)
-        link = peers.relay(node, worker) if peers.registered(node, worker) else None
+        link: RelayLink | OwnRelayLink | None
+        if (node, worker) == (self.core.node_id, self.core.worker_id):
+            link, get_range = OwnRelayLink(self.driver.relays), self._copy_range
+        else:
+            if not peers.registered(node, worker):  # its UCX address, over a Ray call, once
+                with contextlib.suppress(VeloError):
+                    peers.learn(peers.link(DataHandle(worker, 0, node)), worker, self.deadline)
+            link = peers.relay(node, worker) if peers.registered(node, worker) else None
         if link is None:
             return 0
         buffer = self.dest.buffer
@@ -436,6 +449,14 @@ class _Run:
         if done:
             self.core.metrics.relayed()
         return done
+
+    def _copy_range(
+        self, node: str, descriptor: RdmaDescriptor, start: int, stop: int, timeout_s: float
+    ) -> None:
+        """Copy bytes ``[start, stop)`` of this agent's own copy (``descriptor`` is in this
+        process; the relay lease keeps it) into the destination: another receiver on this
+        node brought them over the link."""
+        ctypes.memmove(self._buffer().address + start, descriptor.addr + start, stop - start)
 
     def _get_windows(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
         """GET bytes ``[start, total_len)`` of a plain slot window by window, asking for the
@@ -614,9 +635,10 @@ class _Run:
 class FetchDriver:
     """Runs fetches for the processes of this node."""
 
-    def __init__(self, core: AgentCore, peers: Peers) -> None:
+    def __init__(self, core: AgentCore, peers: Peers, relays: RelayServer) -> None:
         self.core = core
         self.peers = peers
+        self.relays = relays
         self.renewals = LeaseRenewals(core.node_id, core.clock)
         #: GETs of plain slots, window by window (``ray-velo status``; the tests' sign).
         self.windowed_gets = 0

@@ -3,6 +3,7 @@ inside a GET (docs/tuning.md, "One payload, many consumers")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from ray_velo.protocol.frames import HEADER, MAX_FRAME_BYTES, decode_answer, enc
 from ray_velo.state.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
 from ray_velo.wire.auth import WireAuth
 
-__all__ = ["RelayLink", "RelayServer", "copy_gone_notice", "read_relay"]
+__all__ = ["OwnRelayLink", "RelayLink", "RelayServer", "copy_gone_notice", "read_relay"]
 
 _log = logging.getLogger(__name__)
 #: How long past its wait a copy's agent may take to answer before the reader gives up on it.
@@ -162,6 +163,24 @@ class RelayLink:
             sock.close()
 
 
+class OwnRelayLink:
+    """This agent's own copy, read by another receiver on its node: the relay's entry points
+    called in process (no wire); the reader copies what landed instead of GETting it."""
+
+    def __init__(self, server: RelayServer) -> None:
+        self.server = server
+
+    def call(self, entry: Entry, message: bytes, timeout_s: float) -> Any:
+        return self.server.serve(message)  # read_relay calls only RV_RELAY
+
+    def send(self, entry: Entry, message: bytes) -> None:
+        with contextlib.suppress(VeloError):  # the relay lease ended already
+            self.server.end(message)  # read_relay sends only RV_RELAY_END
+
+    def close(self) -> None:
+        return None
+
+
 def _read(sock: socket.socket, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -174,7 +193,7 @@ def _read(sock: socket.socket, n: int) -> bytes:
 
 def read_relay(
     core: AgentCore,
-    link: RelayLink,
+    link: RelayLink | OwnRelayLink,
     copy: tuple[DataHandle, str],
     dest: Any,
     until: float,

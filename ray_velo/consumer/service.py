@@ -49,11 +49,12 @@ class ConsumerService:
         self.owner = owner
         #: The agent's resolver of entry points (its own owner's handlers, for its own handles).
         self.serve = serve
-        self.driver = FetchDriver(core, peers)
-        #: Serves this node's copies to other nodes' agents (``_rv_relay``).
+        #: Serves this node's copies to other nodes' agents (``_rv_relay``), and to this
+        #: node's other receivers.
         self.relays = RelayServer(
             core, lambda handle: handle in self._flights or handle in self._into_writers
         )
+        self.driver = FetchDriver(core, peers, self.relays)
         #: Transfers in flight by handle (on the event loop): a second fetch of one waits
         #: for it and reads its node-local copy, so the bytes cross the link once.
         self._flights: dict[DataHandle, asyncio.Future[None]] = {}

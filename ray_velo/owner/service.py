@@ -183,7 +183,7 @@ class OwnerService:
         unclaimed = _unclaimed(request, slot)
         relay, announce = None, False
         if request.copies and consumer is not None:
-            # A large payload is read from another node's copy when there is one; the
+            # A large payload is read from a copy when there is one (its own node's first); the
             # consumer's copy counts only if someone may still fetch the handle (the last
             # consumer's copy goes with its reader, and nobody need hear of it).
             announce = unclaimed != 0

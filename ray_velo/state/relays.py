@@ -51,10 +51,10 @@ class CopySources:
         self, slot_id: int, node: str, worker: int, *, pick: bool, announce: bool
     ) -> Source | None:
         """Consumer agent ``worker`` on ``node`` is granted a GET of ``slot_id``: with
-        ``pick``, the copy it should read from first (a large payload), if there is one; with
-        ``announce``, its own copy counts from now (announced before its GET, so the next
-        consumer may read it as it fills)."""
-        source = self.pick(slot_id, node) if pick else None
+        ``pick``, the copy it should read from first (a large payload), if there is one
+        (:meth:`pick`); with ``announce``, its own copy counts from now (announced before its
+        GET, so the next consumer may read it as it fills)."""
+        source = self.pick(slot_id, node, worker) if pick else None
         if announce:
             self.announce(slot_id, node, worker)
         return source
@@ -81,15 +81,17 @@ class CopySources:
             for key in [k for k in self._by_slot[slot_id] if k[0] == node and k[1] != worker]:
                 self.gone(slot_id, *key)
 
-    def pick(self, slot_id: int, consumer_node: str) -> Source | None:
-        """The copy a consumer on ``consumer_node`` should read: the one read by the fewest
-        (the newest among those), never its own node's; None: read the owner's bytes."""
-        best: Source | None = None
-        for source in self._by_slot.get(slot_id, {}).values():
-            if source.node == consumer_node:
-                continue
-            if best is None or source.picks <= best.picks:
-                best = source
+    def pick(self, slot_id: int, node: str, worker: int) -> Source | None:
+        """The copy the consumer agent ``worker`` on ``node`` should read: its own (another
+        receiver there fills or holds one: copied in memory, the link crossed once per node),
+        else another node's read by the fewest (the newest among those), never another agent
+        of its own node; None: read the owner's bytes."""
+        sources = self._by_slot.get(slot_id, {})
+        best = sources.get((node, worker))
+        if best is None:
+            for source in sources.values():
+                if source.node != node and (best is None or source.picks <= best.picks):
+                    best = source
         if best is not None:
             best.picks += 1
         return best

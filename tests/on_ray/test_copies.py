@@ -182,15 +182,10 @@ def torch_velo() -> Any:
     return torch
 
 
-def test_one_weights_ref_to_two_nodes_reads_the_first_receivers_copy(
-    nodes: dict[str, str], torch_velo: Any
-) -> None:
-    """One RDT ref of a trainer on node a taken by rollout actors on nodes b and c (the
-    weight-sync shape): node c's receive reads node b's PinnedWriter as it fills (the link
-    out of node a carries the bytes once). Node b's receiver zeroes its tensor the moment it
-    has it: node c's bytes are still the trainer's (node b's receive returns only once node
-    c's reads of its copy ended), and no relay or lent copy is left on node b."""
-    torch = torch_velo
+def weight_sync(torch: Any) -> tuple[Any, Any]:
+    """A trainer on node a returning its weights with VELO, and the rollout actor class: its
+    ``load`` answers the crc of the weights it took and zeroes them when told (its own
+    tensor: nobody else may see this write)."""
 
     @ray.remote(num_cpus=0, resources={"node_a": 1}, enable_tensor_transport=True)
     class Trainer:
@@ -203,33 +198,79 @@ def test_one_weights_ref_to_two_nodes_reads_the_first_receivers_copy(
         def load(self, weights: Any, zero: bool) -> int:
             crc = zlib.crc32(weights.numpy())
             if zero:
-                weights.fill_(0)  # its own tensor: nobody else may see this write
+                weights.fill_(0)
             return crc
 
-    trainer = Trainer.remote()
-    b_actor = Rollout.options(resources={"node_b": 1}).remote()
-    c_actor = Rollout.options(resources={"node_c": 1}).remote()
-    ray.get(
-        [b_actor.load.remote(torch.zeros(1), False), c_actor.load.remote(torch.zeros(1), False)]
-    )
-    ref = trainer.weights.remote()
-    want = zlib.crc32(pattern(SIZE, 13))
-    b, c = nodes["node_b"], nodes["node_c"]
-    before = relayed(c)
+    return Trainer.remote(), Rollout
+
+
+def warm_tensor() -> Any:
+    """What a rollout actor loads first, before the weights (its worker and session up)."""
+    import torch
+
+    return torch.zeros(1)
+
+
+def test_one_weights_ref_to_two_nodes_reads_the_first_receivers_copy(
+    nodes: dict[str, str], torch_velo: Any
+) -> None:
+    """One RDT ref of a trainer on node a taken by rollout actors on nodes b and c (the
+    weight-sync shape): node c's receive reads node b's PinnedWriter as it fills (the link
+    out of node a carries the bytes once). Node b's receiver zeroes its tensor the moment it
+    has it: node c's bytes are still the trainer's (node b's receive returns only once node
+    c's reads of its copy ended), and no relay or lent copy is left on node b."""
+    trainer, rollout = weight_sync(torch_velo)
+    b_actor = rollout.options(resources={"node_b": 1}).remote()
+    c_actor = rollout.options(resources={"node_c": 1}).remote()
+    c = nodes["node_c"]
     # node b fills its copy slowly; node c reads it slower still (it lags two pieces behind
     # when node b has all its bytes): node b's receive must wait for it
-    ray.get(ensure_agent(b).inject_fault.remote("copy_piece_pause_s", 0.5))
     ray.get(ensure_agent(c).inject_fault.remote("copy_piece_pause_s", 1.0))
+    second_reads_first(nodes, trainer, b_actor, c_actor, reader_node=c)
+    for actor in (trainer, b_actor, c_actor):
+        ray.kill(actor)
+
+
+def test_two_receivers_on_one_node_take_the_weights_over_its_link_once(
+    nodes: dict[str, str], torch_velo: Any
+) -> None:
+    """Two rollout actors on node b (one host, several GPUs) take one RDT ref of a trainer on
+    node a: the second's receive copies the first's PinnedWriter in memory as it fills, so
+    node b's link carries the weights once. The first zeroes its tensor the moment it has
+    it: the second's bytes are still the trainer's (the first's receive returns only once the
+    second read them all), and each keeps a writer of its own."""
+    trainer, rollout = weight_sync(torch_velo)
+    first, second = (rollout.options(resources={"node_b": 1}).remote() for _ in range(2))
+    b = nodes["node_b"]
+    fetches = dict(info(b)["metrics"]["velo_fetches_total"])
+    second_reads_first(nodes, trainer, first, second, reader_node=b)
+    after = dict(info(b)["metrics"]["velo_fetches_total"])
+    # two receives by the RDMA path (one of them copied the first's writer: relayed)
+    assert after.get("rdma", 0) - fetches.get("rdma", 0) == 2, (fetches, after)
+    for actor in (trainer, first, second):
+        ray.kill(actor)
+
+
+def second_reads_first(
+    nodes: dict[str, str], trainer: Any, first: Any, second: Any, reader_node: str
+) -> None:
+    """``first`` (on node b, its copy filling slowly) and then ``second`` take the trainer's
+    weights; ``first`` zeroes its own the moment it has them. Both must get the trainer's
+    bytes, ``second``'s from ``first``'s writer (``reader_node``'s agent counts the relayed
+    fetch), and nothing of the copy is left on node b."""
+    want = zlib.crc32(pattern(SIZE, 13))
+    b = nodes["node_b"]
+    ray.get([first.load.remote(warm_tensor(), False), second.load.remote(warm_tensor(), False)])
+    ref = trainer.weights.remote()
+    before = relayed(reader_node)
+    ray.get(ensure_agent(b).inject_fault.remote("copy_piece_pause_s", 0.5))
     sources = info(nodes["node_a"])["copy_sources"]
-    first = b_actor.load.remote(ref, True)
+    taken = first.load.remote(ref, True)
     wait_for(
         "the owner counts node b's copy",
         lambda: info(nodes["node_a"])["copy_sources"] > sources,
     )
-    second = c_actor.load.remote(ref, False)
-    assert ray.get([first, second], timeout=120) == [want, want]
-    assert relayed(c) == before + 1  # node c's bytes came from node b's PinnedWriter
+    assert ray.get([taken, second.load.remote(ref, False)], timeout=120) == [want, want]
+    assert relayed(reader_node) == before + 1  # its bytes came from the first's writer
     assert info(b)["relay_readers"] == 0
     wait_for("the owner forgot node b's copy", lambda: info(nodes["node_a"])["copy_sources"] == 0)
-    for actor in (trainer, b_actor, c_actor):
-        ray.kill(actor)

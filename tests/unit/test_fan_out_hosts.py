@@ -46,7 +46,7 @@ def test_the_table_names_the_reader_hosts_and_the_relays() -> None:
         assert column in lines[1]
     assert lines[3].split() == ["10gbit", "600ms", "300ms", "250ms", "2.00x", "1.20x"]
     assert "the agents of hosts b, c" in lines[4]
-    assert "2.0 times for 2 readers (1.0 relayed from another reader host's copy" in lines[4]
+    assert "2.0 times for 2 readers (1.0 relayed from another reader's copy" in lines[4]
     assert "0.0 read a node-local copy" in lines[4]
 
 
@@ -84,6 +84,6 @@ def test_the_weights_table_puts_each_transport_beside_its_one_reader_time() -> N
     assert lines[4].split() == ["NIXL", "4250ms", "17000ms", "4.00x"]
     assert lines[5].split() == ["Ray's", "store", "4500ms", "9000ms", "2.00x"]
     assert lines[6].split()[:5] == ["raw", "link", "3600ms", "4140ms", "1.15x"]
-    assert "4.0 times, 3.0 of them from another receiver host's copy" in lines[7]
+    assert "4.0 times, 3.0 of them from another receiver's copy" in lines[7]
     assert "(host a's link carried them 1.0 times)" in lines[7]
     assert "WARNING" not in "\n".join(lines)

@@ -41,19 +41,28 @@ LEASE_S = 1.0
 
 def test_consumers_arriving_together_form_a_chain() -> None:
     sources = CopySources()
-    assert sources.pick(1, "b") is None  # nobody has a copy: read the owner's
+    assert sources.pick(1, "b", 11) is None  # nobody has a copy: read the owner's
     sources.announce(1, "b", 11)
-    c = sources.pick(1, "c")
+    c = sources.pick(1, "c", 12)
     sources.announce(1, "c", 12)
-    d = sources.pick(1, "d")
+    d = sources.pick(1, "d", 13)
     sources.announce(1, "d", 13)
     assert (c and c.node, d and d.node) == ("b", "c")  # a -> b -> c -> d
 
 
-def test_a_reader_is_never_pointed_at_its_own_node() -> None:
+def test_a_second_receiver_on_a_node_reads_its_own_agents_copy_first() -> None:
+    """Another receiver on the same node fills a copy: read it there (a copy in memory, the
+    link crossed once per node), before any other node's; never a copy of another agent on
+    the node (an earlier incarnation's)."""
     sources = CopySources()
+    sources.announce(1, "c", 12)
     sources.announce(1, "b", 11)
-    assert sources.pick(1, "b") is None
+    own = sources.pick(1, "b", 11)
+    assert own is not None and (own.node, own.worker) == ("b", 11)
+    other = sources.pick(1, "b", 99)  # another agent of node b: never node b's copy
+    assert other is not None and other.node == "c"
+    sources.gone(1, "c", 12)
+    assert sources.pick(1, "b", 99) is None
 
 
 def test_copies_are_forgotten_when_gone_replaced_or_their_handle_ends() -> None:
@@ -64,7 +73,7 @@ def test_copies_are_forgotten_when_gone_replaced_or_their_handle_ends() -> None:
     sources.superseded("c", 99)  # node c's agent restarted: its copies died with it
     assert sources.count() == 1
     assert sources.ended(1) == [("d", 13)]  # whom the owner tells
-    assert sources.count() == 0 and sources.pick(1, "e") is None
+    assert sources.count() == 0 and sources.pick(1, "e", 14) is None
 
 
 def test_the_end_of_a_handle_with_copies_tells_their_agents() -> None:
