@@ -92,10 +92,14 @@ def _make(nbytes: int) -> np.ndarray[Any, Any]:
 @functools.cache
 def bench_actors() -> tuple[Any, Any]:
     """The (Producer, Consumer) actor classes, made once per process."""
+    return _producer_class(), _consumer_class()
+
+
+def _producer_class() -> Any:
+    """The producer: makes the payload once, then puts it by each path, timed."""
     import ray
 
     import ray_velo as rv
-    from ray_velo.client import session
 
     @ray.remote(num_cpus=0)
     class Producer:
@@ -129,6 +133,16 @@ def bench_actors() -> tuple[Any, Any]:
 
         def drop(self) -> None:
             del self.array
+
+    return Producer
+
+
+def _consumer_class() -> Any:
+    """The consumer: gets the payload by each path and reads every page of it, timed."""
+    import ray
+
+    import ray_velo as rv
+    from ray_velo.client import session
 
     @ray.remote(num_cpus=0)
     class Consumer:
@@ -175,7 +189,7 @@ def bench_actors() -> tuple[Any, Any]:
         def path_counts(self) -> dict[str, int]:
             return dict(self.agent_info()["metrics"]["velo_rendezvous_rdma_path_total"])
 
-    return Producer, Consumer
+    return Consumer
 
 
 def pipeline_stages(array_bytes: int) -> tuple[type, Any]:

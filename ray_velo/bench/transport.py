@@ -34,14 +34,23 @@ def transport_actors() -> tuple[bool, Any, Any]:
     """Whether Ray's NIXL transport is measured here (:func:`nixl_unusable` says none), and
     the producer and consumer as Ray actor classes (defined once the transports are
     registered: Ray checks a tensor_transport name when the class is defined)."""
-    import numpy as np
     import ray
-    import torch
+    import torch  # noqa: F401  (imported first: VELO registers only where torch is)
 
     import ray_velo as rv
 
     rv.register_transports()
     with_nixl = nixl_unusable() is None
+    # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
+    make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
+    return with_nixl, make_actor(_producer_class(with_nixl)), make_actor(_consumer_class())
+
+
+def _producer_class(with_nixl: bool) -> Any:
+    """The producer: makes a payload untimed, then returns it by each transport's method."""
+    import numpy as np
+    import ray
+    import torch
 
     class Producer:
         def __init__(self) -> None:
@@ -86,6 +95,13 @@ def transport_actors() -> tuple[bool, Any, Any]:
             return self.tensor
 
         Producer.torch_nixl = torch_nixl  # type: ignore[attr-defined]
+    return Producer
+
+
+def _consumer_class() -> Any:
+    """The consumer: reads every page of what it is handed."""
+    import numpy as np
+    import torch
 
     class Consumer:
         def ready(self) -> bool:
@@ -102,9 +118,7 @@ def transport_actors() -> tuple[bool, Any, Any]:
             flat = array.reshape(-1).view(np.uint8)
             return int(flat[::4096].sum()) + int(flat[-1])  # touch every page
 
-    # NIXL's receiver needs enable_tensor_transport (else its transfer waits out 60 s)
-    make_actor: Any = ray.remote(num_cpus=0, enable_tensor_transport=True)  # type: ignore[call-overload]
-    return with_nixl, make_actor(Producer), make_actor(Consumer)
+    return Consumer
 
 
 def _many_tensors(kind: str) -> Any:
