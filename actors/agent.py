@@ -25,7 +25,7 @@ from ray_velo.config import VeloConfig
 from ray_velo.consumer.links import Blocking, inline
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
-from ray_velo.errors import VeloError
+from ray_velo.errors import UcxError, VeloError
 from ray_velo.local.producers import ProducerService
 from ray_velo.local.readers import ReaderService
 from ray_velo.local.records import LocalLease, Reservation
@@ -36,8 +36,10 @@ from ray_velo.protocol import DataHandle, kill_switch_engaged
 from ray_velo.protocol.entry import Entry
 from ray_velo.state.fetch import Mode
 from ray_velo.state.owner import OwnerState, RegionSlot
-from ray_velo.ucx.backend import UcxRdmaBackend
+from ray_velo.ucx.backend import UcxRdmaBackend, agent_transports
 from ray_velo.ucx.loader import ucx_available
+from ray_velo.ucx.policy import UCX_TCP_ENV
+from ray_velo.ucx.status import UcsStatus
 from ray_velo.wire.auth import WireAuth
 
 __all__ = ["LocalLease", "RendezvousAgent", "Reservation"]
@@ -53,32 +55,51 @@ _START_UCX: Any = object()  # the default of RendezvousAgent(rdma=...): start UC
 
 
 def _start_rdma(config: VeloConfig, clock: Clock) -> tuple[UcxRdmaBackend | None, str]:
-    """The agent's UCX backend, or None (logged) when UCX is off or cannot load, with why."""
+    """The agent's UCX backend, or None (logged) when UCX is off or cannot load, with why.
+    UCX leaves TCP out unless the operator opted in (``VELO_UCX_TCP=1``), which is logged as
+    the risk it is (docs/deployment.md §8)."""
     if not config.rdma.ucx.enabled:
         return None, "UCX is off in the configuration (rdma.ucx.enabled=False)"
+    tcp, choice = agent_transports(config.rdma.ucx)
+    if choice.note:
+        _log.warning("ray_velo: %s", choice.note)
+    if not choice.start:
+        return None, f"UCX not started: {choice.note}"
     available, why = ucx_available()
     if not available:
-        _log.warning("ray_velo: UCX unavailable (%s); this node serves the chunked path only", why)
+        _log.warning("ray_velo: UCX unavailable (%s); no UCX GET on this node", why)
         return None, f"UCX unavailable: {why}"
     try:
-        return UcxRdmaBackend(config.rdma.ucx, clock), ""
-    except VeloError as exc:
-        _log.warning("ray_velo: UCX failed to start; chunked path only", exc_info=True)
+        backend = UcxRdmaBackend(config.rdma.ucx, clock)
+    except UcxError as exc:
+        if exc.fields.get("status") == int(UcsStatus.ERR_UNREACHABLE):  # a TCP-only host
+            _log.info("ray_velo: %s", exc.fields.get("status_text"))
+            return None, f"UCX not started: {exc.fields.get('status_text')}"
+        _log.warning("ray_velo: UCX failed to start; no UCX GET on this node", exc_info=True)
         return None, f"UCX failed to start: {exc}"
+    except VeloError as exc:
+        _log.warning("ray_velo: UCX failed to start; no UCX GET on this node", exc_info=True)
+        return None, f"UCX failed to start: {exc}"
+    if tcp:
+        _log.warning(
+            "ray_velo: UCX may use TCP on this node (%s=1): UCX over TCP authenticates no "
+            "one, so any process that reaches this node's UCX ports can read this agent's "
+            "memory, Ray's token included. Use it only on a network you trust",
+            UCX_TCP_ENV,
+        )
+    return backend, ""
 
 
-def _warn_cleartext_payloads(config: VeloConfig, environ: Any = os.environ) -> bool:
-    """Under Ray's TLS, say once that UCX's TCP transport moves payload bytes in clear (as
-    Ray's own NIXL transport does), unless UCX is told to use no TCP. Returns whether it did."""
-    if environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
-        return False
-    chosen = dict(config.rdma.ucx.options).get("TLS", environ.get("UCX_TLS", "all"))
-    if "tcp" not in chosen and not chosen.startswith("^") and chosen != "all":
+def _warn_cleartext_payloads(tcp: bool, environ: Any = os.environ) -> bool:
+    """Under Ray's TLS, say once that UCX's TCP transport (when the operator allowed it)
+    moves payload bytes in clear (as Ray's own NIXL transport does). Returns whether it did."""
+    if not tcp or environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
         return False
     _log.warning(
-        "ray_velo: Ray runs with TLS, but a UCX GET over UCX's tcp transport moves payload "
-        "bytes in clear (as Ray's NIXL transport does). Where payloads must be encrypted in "
-        "transit, set VELO_RDMA_RENDEZVOUS_DISABLE=1: they then move in Ray's TLS calls"
+        "ray_velo: Ray runs with TLS, but a UCX GET over UCX's tcp transport (%s=1) moves "
+        "payload bytes in clear (as Ray's NIXL transport does). Without it, payloads cross "
+        "hosts over the agents' wire, under TLS",
+        UCX_TCP_ENV,
     )
     return True
 
@@ -155,7 +176,7 @@ def _agent_rdma(
     if rdma is _START_UCX:
         rdma, unavailable = _start_rdma(config, clock)
         if rdma is not None and rdma_enabled:
-            _warn_cleartext_payloads(config)
+            _warn_cleartext_payloads(rdma.tcp)
     if faults is not None and rdma is not None:
         rdma = FaultyRdma(rdma, faults)
     return rdma, unavailable

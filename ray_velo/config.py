@@ -232,6 +232,11 @@ class UcxConfig:
         eager_endpoints: wire up the endpoint when a peer is registered, not at first use.
         options: extra UCX settings without the ``UCX_`` prefix, e.g. ``{"TLS": "cma,tcp"}``.
             Applied to our UCX context only; the process environment is never mutated.
+        tcp: let UCX use its ``tcp`` transport (GETs between hosts on a TCP network). Off by
+            default: UCX over TCP authenticates no one, so a process that reaches one of its
+            ports reads any byte of the agent's memory. Turn it on only for a network you
+            trust (``VELO_UCX_TCP=1`` does too); without it, payloads cross hosts on a TCP
+            network over the agents' authenticated wire (docs/deployment.md §8).
     """
 
     enabled: bool = True
@@ -239,6 +244,7 @@ class UcxConfig:
     ep_idle_timeout: float | None = None
     eager_endpoints: bool = False
     options: tuple[tuple[str, str], ...] = ()
+    tcp: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "eager_max")

@@ -114,6 +114,8 @@ typedef struct { uint64_t field_mask; ucp_transports_t transports; ...; } ucp_ep
 
 void ucp_get_version(unsigned *major, unsigned *minor, unsigned *release);
 const char *ucs_status_string(ucs_status_t status);
+ucs_status_t ucs_global_opts_set_value(const char *name, const char *value);
+ucs_status_t ucs_global_opts_get_value(const char *name, char *value, size_t max);
 
 ucs_status_t ucp_config_read(const char *env_prefix, const char *filename,
                              ucp_config_t **config_p);
@@ -175,6 +177,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <time.h>
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 
 /* UCS_PTR_* are macros: cffi cannot call them. */
 static int rv_ptr_is_err(ucs_status_ptr_t ptr) { return UCS_PTR_IS_ERR(ptr); }

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ray_velo.config import UcxConfig
@@ -21,10 +22,13 @@ from ray_velo.ucx.binding import (
     RemoteKey,
     UcxContext,
     UcxWorker,
+    quiet_log,
 )
 from ray_velo.ucx.binding import get as ucx_get
+from ray_velo.ucx.policy import TransportChoice, choose_transports, ucx_tcp_allowed
+from ray_velo.ucx.status import UcsStatus
 
-__all__ = ["UcxRdmaBackend", "UcxRegistrar"]
+__all__ = ["UcxRdmaBackend", "UcxRegistrar", "agent_transports"]
 
 _log = logging.getLogger(__name__)
 
@@ -53,16 +57,49 @@ class UcxRegistrar:
         registration.unmap()
 
 
+def agent_transports(
+    config: UcxConfig, environ: Mapping[str, str] = os.environ
+) -> tuple[bool, TransportChoice]:
+    """(whether UCX may use TCP, the transports an agent's UCX context gets) from the
+    config and the environment (:mod:`ray_velo.ucx.policy`)."""
+    tcp = ucx_tcp_allowed(config.tcp, environ)
+    requested = dict(config.options).get("TLS", environ.get("UCX_TLS"))
+    return tcp, choose_transports(requested, tcp)
+
+
 class UcxRdmaBackend:
-    """Everything UCX an agent needs."""
+    """Everything UCX an agent needs.
+
+    Its context uses every transport the operator's ``UCX_TLS`` names but ``tcp``, unless
+    TCP is allowed (:func:`agent_transports`); a peer no transport reaches (another host on
+    a TCP network) is not registered, so a consumer offers it no UCX GET.
+    """
 
     backend = "ucx"
 
-    def __init__(self, config: UcxConfig, clock: Callable[[], float]) -> None:
-        """``clock``: the agent's; an endpoint's idle time is measured on it."""
+    def __init__(
+        self,
+        config: UcxConfig,
+        clock: Callable[[], float],
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
+        """``clock``: the agent's; an endpoint's idle time is measured on it. ``environ``:
+        where ``VELO_UCX_TCP`` and ``UCX_TLS`` are read, once.
+
+        Raises:
+            UcxError: UCX does not start, or no transport is left once TCP is taken out.
+        """
         self.config = config
         self._clock = clock
-        self.context = UcxContext(dict(config.options))
+        self.tcp, choice = agent_transports(config, environ)
+        if not choice.start:
+            raise UcxError(
+                operation="ucp_init", status=int(UcsStatus.ERR_UNSUPPORTED), status_text=choice.note
+            )
+        options = dict(config.options)
+        if choice.tls is not None:
+            options["TLS"] = choice.tls
+        self.context = UcxContext(options)
         try:
             self.worker = UcxWorker(self.context, progress_thread=True, blocking=True)
             self.get_worker = UcxWorker(self.context, progress_thread=True, blocking=True)
@@ -70,6 +107,13 @@ class UcxRdmaBackend:
             self.context.close()  # closes a worker made already
             raise
         self.address: bytes = self.worker.address
+        try:
+            self._check_reach()
+        except BaseException:
+            self.get_worker.close()
+            self.worker.close()
+            self.context.close()
+            raise
         self.registrar = UcxRegistrar(self.context)
         # The memory an owner's key may name: host until this agent has GPU arenas (and so
         # a CUDA-capable UCX); docs/gpu.md.
@@ -81,9 +125,37 @@ class UcxRdmaBackend:
         self._last_used: dict[str, float] = {}
         #: (transport, device) of each peer's endpoint lanes, learnt after its first GET.
         self._transports: dict[str, list[tuple[str, str]]] = {}
+        #: Peers none of our transports reaches (another host, with TCP off): not registered.
+        self._unreachable: set[str] = set()
         self._generation = itertools.count(1)
         self._closed = False
         self.endpoints_reaped = 0
+
+    def _check_reach(self) -> None:
+        """Raise UcxError (unreachable) when no transport of ours reaches another worker.
+
+        An endpoint needs a lane for UCX's wireup messages that detects a dead peer (we ask
+        for ``UCP_ERR_HANDLING_MODE_PEER``): ``tcp`` or an InfiniBand transport, never shared
+        memory. With TCP left out on a host without RDMA NICs nothing is left, not even for a
+        peer on the same host: this agent then runs without UCX rather than hold arenas
+        registered for nothing. The probe is an endpoint from one of our workers to the
+        other (no network I/O)."""
+        try:
+            with quiet_log():  # UCX would log the expected refusal as an ERROR
+                probe = Endpoint(self.get_worker, self.address)
+        except UcxError as exc:
+            if exc.fields.get("status") != int(UcsStatus.ERR_UNREACHABLE):
+                raise
+            raise UcxError(
+                operation="ucp_ep_create",
+                status=int(UcsStatus.ERR_UNREACHABLE),
+                status_text=(
+                    "no UCX transport ray_velo may use reaches another process here (TCP is "
+                    "off and there is no RDMA NIC); payloads between nodes move over the "
+                    "agents' wire"
+                ),
+            ) from exc
+        probe.close()
 
     # --- peers -----------------------------------------------------------------------
 
@@ -99,20 +171,29 @@ class UcxRdmaBackend:
                 return
             self._peer_addresses[node] = bytes(address)
             self._peer_workers[node] = worker_id
+            self._unreachable.discard(node)
             stale = self._endpoints.pop(node, None)
             self._transports.pop(node, None)
         if stale is not None:
             stale.close()
-        if self.config.eager_endpoints:
+        if self.config.eager_endpoints or not self.tcp:
+            # Without TCP a peer on another host may be out of every transport's reach:
+            # ucp_ep_create says so at once (no network I/O), and such a peer is offered no
+            # GET (its bytes come over the wire).
             try:
                 self._endpoint(node)
-            except UcxError:  # a hint only: the first GET wires up lazily instead
-                _log.info("eager endpoint to %s failed; wiring up lazily", node, exc_info=True)
+            except UcxError as exc:
+                if exc.fields.get("status") == int(UcsStatus.ERR_UNREACHABLE):
+                    with self._lock:
+                        self._unreachable.add(node)
+                    _log.info("ray_velo: no UCX transport reaches node %s: %s", node, exc)
+                else:  # a hint only: the first GET wires up lazily instead
+                    _log.info("eager endpoint to %s failed; wiring up lazily", node, exc_info=True)
 
     def peer_registered(self, node: str, worker_id: int | None = None) -> bool:
         """Whether UCX is registered for that peer (and that incarnation, if given)."""
         with self._lock:
-            if node not in self._peer_addresses:
+            if node not in self._peer_addresses or node in self._unreachable:
                 return False
             return worker_id is None or self._peer_workers.get(node) == worker_id
 

@@ -33,6 +33,7 @@ __all__ = [
     "UcxContext",
     "UcxWorker",
     "get",
+    "quiet_log",
 ]
 
 #: What a RemoteKey accepts unless told more (see RemoteKey).
@@ -131,6 +132,21 @@ def _drain(
 def _check_u64(operation: str, name: str, value: int) -> None:
     if not isinstance(value, int) or not 0 <= value <= _U64_MAX:
         raise _invalid(operation, f"{name}={value!r} is not an unsigned 64-bit integer")
+
+
+@contextmanager
+def quiet_log() -> Iterator[None]:
+    """UCX logs nothing below FATAL while the block runs: a probe whose failure the caller
+    expects and reports itself (process-wide for that moment; the level is restored)."""
+    ffi, lib = load_binding()
+    saved = ffi.new("char[]", 64)
+    known = lib.ucs_global_opts_get_value(b"LOG_LEVEL", saved, 64) == int(UcsStatus.OK)
+    lib.ucs_global_opts_set_value(b"LOG_LEVEL", b"fatal")
+    try:
+        yield
+    finally:
+        if known:
+            lib.ucs_global_opts_set_value(b"LOG_LEVEL", ffi.string(saved))
 
 
 def _normalize_options(options: Mapping[str, str]) -> dict[str, str]:
