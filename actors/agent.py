@@ -22,6 +22,7 @@ from ray_velo.agent.clock import Clock
 from ray_velo.agent.core import AgentCore
 from ray_velo.agent.node_memory import NodeMemory
 from ray_velo.config import VeloConfig
+from ray_velo.consumer.bulk import BulkReader
 from ray_velo.consumer.links import Blocking, inline
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
@@ -31,6 +32,7 @@ from ray_velo.local.readers import ReaderService
 from ray_velo.local.records import LocalLease, Reservation
 from ray_velo.local.regions import RegionService
 from ray_velo.memory.arena import SEGMENT_PREFIX, pid_alive, remove_stale_segments
+from ray_velo.owner.sender import WireSender
 from ray_velo.owner.service import OwnerService
 from ray_velo.protocol import DataHandle, kill_switch_engaged
 from ray_velo.protocol.entry import Entry
@@ -41,6 +43,7 @@ from ray_velo.ucx.loader import ucx_available
 from ray_velo.ucx.policy import UCX_TCP_ENV
 from ray_velo.ucx.status import UcsStatus
 from ray_velo.wire.auth import WireAuth
+from ray_velo.wire.bulk import BulkServer
 
 __all__ = ["LocalLease", "RendezvousAgent", "Reservation"]
 
@@ -167,6 +170,12 @@ def _wire_address(worker_id: int) -> str | None:
     return wire_address_of(worker_id)
 
 
+def _bulk_address(worker_id: int) -> str | None:
+    from ray_velo.actors.directory import bulk_address_of
+
+    return bulk_address_of(worker_id)
+
+
 def _agent_rdma(
     config: VeloConfig, rdma: Any, rdma_enabled: bool, faults: FaultPlan | None, clock: Clock
 ) -> tuple[Any, str]:
@@ -197,11 +206,15 @@ class RendezvousAgent:
         timer: bool = True,
         jobs: JobTable | None = None,
         wire_auth: WireAuth | None = None,
+        bulk_host: str | None = None,
         faults: FaultPlan | None = None,
     ) -> None:
         """An agent for ``node_id``. ``jobs``: Ray's job table, for staged data to follow
         its job (None: no handle ends with its job). ``wire_auth``: credentials for other
-        agents' TCP wire (None: Ray calls only). ``faults``: the plan of a fault test's
+        agents' TCP wire (None: Ray calls only; with them it reads other agents' bulk
+        ports). ``bulk_host``: the address its own bulk port listens on, where it sends
+        payload bytes to other nodes' agents (None, or no ``wire_auth``: it sends none:
+        they read by chunks or UCX). ``faults``: the plan of a fault test's
         agent, whose wrappers go around its RDMA backend and owner handlers now (None:
         none, and :meth:`inject_fault` is refused). The other keyword arguments are for
         ``ray_velo.testing``: an RDMA backend in place of UCX (None: none), a peer directory,
@@ -227,9 +240,17 @@ class RendezvousAgent:
         self.readers = ReaderService(core)
         self.regions = RegionService(core)
         self.peers = PeerDirectory(
-            rdma, _find_agent, _node_of_worker, node_id, _wire_address, wire_auth
+            rdma, _find_agent, _node_of_worker, node_id, _wire_address, wire_auth, _bulk_address
         )
-        self.consumer = ConsumerService(core, peers or self.peers, owner, self.serve)
+        self.bulk_reader = None if wire_auth is None else BulkReader(wire_auth)
+        self.consumer = ConsumerService(
+            core, peers or self.peers, owner, self.serve, self.bulk_reader
+        )
+        self.sender = WireSender(core)
+        self.bulk: BulkServer | None = None
+        if wire_auth is not None and bulk_host is not None:
+            self.bulk = BulkServer(bulk_host, wire_auth, self.sender.open)
+            core.serves_wire = True
         if peers is None:
             core.tell_copy_ends = self.peers.tell_copy_ends
         self.jobs = None if jobs is None else JobWatch(jobs)
@@ -528,6 +549,9 @@ class RendezvousAgent:
             self._ticker.stop()
         report["demoted"] = self._demote()
         report["gets_drained"] = int(self._drain_gets(deadline))
+        if self.bulk is not None:  # a send still running stops here, before its bytes go
+            self.sender.close()
+            self.bulk.close()
         with core.changing() as fx:
             core.state.release_demoted(fx)
         self.regions.close()
@@ -547,6 +571,8 @@ class RendezvousAgent:
             report["slots"] = core.states.clear(core.clock(), fx)
         core.commits.release_all()
         self.peers.close()
+        if self.bulk_reader is not None:
+            self.bulk_reader.close()
         core.memory.close()
         if core.rdma is not None:  # after every unmap: endpoints and worker go last
             core.rdma.close()
@@ -596,16 +622,18 @@ class RendezvousAgent:
 
         def drained() -> bool:
             counts = state.counts(clock())
-            return counts.rdma_leases == 0 and counts.late_reads == 0
+            return counts.rdma_leases == 0 and counts.wire_leases == 0 and counts.late_reads == 0
 
         leases = self.core.wait_until(drained, deadline)
         if not (fetches and leases):
             counts = state.counts()
             _log.warning(
-                "ray_velo: at the shutdown bound %d fetches, %d RDMA leases and %d reads were "
-                "still live; unmapping anyway (their GETs fail at the consumer)",
+                "ray_velo: at the shutdown bound %d fetches, %d RDMA leases, %d wire leases "
+                "and %d reads were still live; unmapping anyway (their GETs and reads fail at "
+                "the consumer)",
                 self.consumer.inflight,
                 counts.rdma_leases,
+                counts.wire_leases,
                 counts.late_reads,
             )
         return fetches and leases

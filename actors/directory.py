@@ -40,6 +40,7 @@ __all__ = [
     "RendezvousActor",
     "agent_name",
     "alive_node_ids",
+    "bulk_address_of",
     "cluster_config_stored",
     "ensure_agent",
     "ensure_agents",
@@ -98,10 +99,16 @@ class _RendezvousActor:
         # The blocking calls run on our own threads, never on the event loop.
         os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self._wire_auth = _load_wire_auth(self._wire_refused)
+        wire_on = self._wire_auth is not None and os.environ.get(WIRE_DISABLE_ENV) != "1"
+        host = ray.util.get_node_ip_address() if wire_on else None  # type: ignore[no-untyped-call]
         self.agent = RendezvousAgent(
-            config, node_id, jobs=RayJobTable(), wire_auth=self._wire_auth,
+            config,
+            node_id,
+            jobs=RayJobTable(),
+            wire_auth=self._wire_auth,
+            bulk_host=host,
             faults=FaultPlan() if config.fault_injection else None,
-        )  # fmt: skip
+        )
         self.worker_id = self.agent.worker_id
         self._threads = ThreadPoolExecutor(AGENT_THREADS, thread_name_prefix="ray_velo-call")
         self._threads_closed = False
@@ -115,9 +122,16 @@ class _RendezvousActor:
             metrics = self.agent.core.metrics
             self._channel = ChannelServer(path, self._channel_call, metrics.socket_auth_failed)
         self._wire: WireServer | None = None
-        if self._wire_auth is not None and os.environ.get(WIRE_DISABLE_ENV) != "1":
-            host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        if self._wire_auth is not None and host is not None:
             self._wire = WireServer(host, self._wire_call, self._wire_auth)
+        bulk = self.agent.bulk
+        if bulk is not None:  # other nodes' agents read payload bytes there
+            _ray.kv_put(
+                _bulk_key(self.worker_id),
+                bulk.address.encode(),
+                overwrite=True,
+                namespace=_KV_NAMESPACE,
+            )
         self._started: asyncio.Future[None] | None = None
 
     async def _serving(self) -> str:
@@ -212,6 +226,12 @@ class _RendezvousActor:
         info["wire_calls"] = 0 if self._wire is None else self._wire.calls
         info["wire_peers"] = 0 if self._wire is None else self._wire.peers
         info["wire_tls"] = self._wire_auth is not None and self._wire_auth.tls is not None
+        bulk, reader = self.agent.bulk, self.agent.bulk_reader
+        info["bulk"] = "" if bulk is None else bulk.address
+        info["bulk_reads_served"] = 0 if bulk is None else bulk.reads
+        info["bulk_bytes_sent"] = 0 if bulk is None else bulk.bytes_sent
+        info["bulk_sends_stopped"] = 0 if bulk is None else bulk.aborted
+        info["bulk_reads"] = 0 if reader is None else reader.reads
         return info
 
     async def blocking(self, fn: Any, *args: Any) -> Any:
@@ -286,6 +306,8 @@ class _RendezvousActor:
         if wire is not None:
             _ray.kv_delete(_wire_key(self.worker_id), namespace=_KV_NAMESPACE)
             await wire.close()
+        if self.agent.bulk is not None:  # closed by the agent's shutdown, in its order
+            _ray.kv_delete(_bulk_key(self.worker_id), namespace=_KV_NAMESPACE)
         self._threads.shutdown(wait=False)
         self._threads_closed = True
         return freed
@@ -340,6 +362,18 @@ def _worker_key(worker_id: int) -> bytes:
 
 def _wire_key(worker_id: int) -> bytes:
     return f"wire:{worker_id:016x}".encode()
+
+
+def _bulk_key(worker_id: int) -> bytes:
+    return f"bulk:{worker_id:016x}".encode()
+
+
+def bulk_address_of(worker_id: int) -> str | None:
+    """``host:port`` where the agent that issued ``worker_id``'s handles sends payload bytes
+    to other nodes' agents (its bulk port), or None (it sends none: an older version, or
+    the wire off)."""
+    value = _ray.kv_get(_bulk_key(worker_id), namespace=_KV_NAMESPACE)
+    return value.decode() if value else None
 
 
 def wire_address_of(worker_id: int) -> str | None:

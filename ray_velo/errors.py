@@ -33,6 +33,7 @@ __all__ = [
     "UnsupportedPayload",
     "VeloError",
     "WireAuthError",
+    "WireReadError",
 ]
 
 
@@ -319,6 +320,18 @@ class AgentDied(VeloError):
     _template = (
         "this node's ray_velo agent died during the call; the next call starts a new one "
         "(payloads it had staged are lost, stage them again)"
+    )
+
+
+class WireReadError(TransferError):
+    """A bulk read over the agents' wire failed: the connection broke, stalled past its
+    bound, or the sender stopped before the end of the range (its lease ended). Nothing read
+    is used. Fields: ``handle``, ``peer``, ``start``, ``stop``, ``got`` (bytes that had
+    arrived), ``reason``."""
+
+    _template = (
+        "reading bytes [{start}, {stop}) of handle {handle} from {peer} over the agents' wire "
+        "failed after {got} bytes: {reason}"
     )
 
 

@@ -41,12 +41,13 @@ INLINE_HELP = (
     "and the agent warmed an arena up for the next one."
 )
 PATH_LABELS = sorted(
-    {("rdma", "ok")}
+    {("rdma", "ok"), ("wire", "ok")}
     | {("chunked", r) for r in OWNER_REFUSAL_REASONS + CONSUMER_FAILURE_REASONS}
     | {("chunked", r) for r in STAGING_FALLBACK_REASONS}
 )
-#: Fetch paths of velo_bytes_moved and velo_fetch_duration_seconds ("cache": a node-local copy).
-FETCH_PATHS = ("rdma", "chunked", "cache")
+#: Fetch paths of velo_bytes_moved and velo_fetch_duration_seconds ("cache": a node-local copy;
+#: "wire": sent by the owner over the agents' authenticated wire).
+FETCH_PATHS = ("rdma", "wire", "chunked", "cache")
 REGISTRATION_KINDS = ("arena", "external")
 ARENA_POOLS = ("registered", "plain")
 
@@ -105,7 +106,8 @@ _SERIES: dict[str, _Series] = {
     "path": _Series(
         "velo_rendezvous_rdma_path",
         "counter",
-        "Path decisions with their reason (reason=ok is the only path=rdma label).",
+        "Path decisions with their reason (reason=ok is the only path=rdma and path=wire "
+        "label).",
         ("path", "reason"),
     ),
     "get_duration": _Series(

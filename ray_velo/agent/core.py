@@ -102,6 +102,8 @@ class AgentCore:
     tell_copy_ends: Callable[[list[tuple[DataHandle, str, int]]], None] = lambda ends: None
     #: This agent serves its copies to other nodes (it has a TCP wire they can reach).
     serves_copies: bool = False
+    #: This agent sends payload bytes over its wire's bulk port (the wire path's check W1).
+    serves_wire: bool = False
 
     def __post_init__(self) -> None:
         self.commits = CommitGate(self.worker_id)

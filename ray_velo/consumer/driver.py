@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ray_velo.agent.clock import Clock, Deadline
 from ray_velo.agent.core import AgentCore
+from ray_velo.consumer.bulk import BulkReader, WireSource
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import (
@@ -29,6 +30,7 @@ from ray_velo.errors import (
     DescriptorError,
     UcxError,
     VeloError,
+    WireReadError,
 )
 from ray_velo.local.records import LocalLease, lease_of
 from ray_velo.memory.pool import Placement, Registration
@@ -39,6 +41,7 @@ from ray_velo.protocol import (
     DetachRequest,
     LeaseRenewRequest,
     Rdma,
+    ReadRequest,
     Ready,
     ReleaseRequest,
     WindowRequest,
@@ -81,9 +84,12 @@ from ray_velo.state.store import SlotView
 
 __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 
-#: GETs bytes ``[start, stop)`` of a payload from a node: (node, descriptor, start, stop,
+#: Where a range is read from: a UCX descriptor (a GET), or a lease on an agent's bulk port
+#: (the agent sends it over the wire).
+Source = RdmaDescriptor | WireSource
+#: GETs bytes ``[start, stop)`` of a payload from a node: (node, source, start, stop,
 #: timeout_s).
-GetRange = Callable[[str, RdmaDescriptor, int, int, float], None]
+GetRange = Callable[[str, Source, int, int, float], None]
 
 _log = logging.getLogger(__name__)
 
@@ -315,9 +321,10 @@ class _Run:
                 return GetExpired(self.deadline.timeout_error(self.handle))
             with renewing:
                 self._move_bytes(instruction, timeout)
-        except UcxError as exc:
+        except (UcxError, WireReadError) as exc:
+            what = "read over the wire" if answer.wire else "GET"
             _log.warning(
-                "ray_velo: GET of %s from node %s failed: %s", self.handle, self.link.node, exc
+                "ray_velo: %s of %s from node %s failed: %s", what, self.handle, self.link.node, exc
             )
             unsafe = bool(exc.fields.get("destination_unsafe"))
             self._end_windows(unsafe)
@@ -326,7 +333,8 @@ class _Run:
             return GetFailed(unsafe)
         finally:  # whatever ended the GET, it returned
             self._end_windows(False)
-        core.metrics.get_completed(core.clock() - started)
+        if not answer.wire:  # the RDMA GET's histogram; a read's time is in the fetch's
+            core.metrics.get_completed(core.clock() - started)
         if core.config.rdma.ucx.ep_idle_timeout is not None:
             core.poke()  # arm the idle-endpoint scan
         return GetOk()
@@ -372,10 +380,8 @@ class _Run:
                 self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
         pieces = relayed and answer.total_len >= RELAY_MIN_BYTES
 
-        def get_range(
-            node: str, descriptor: RdmaDescriptor, start: int, stop: int, timeout_s: float
-        ) -> None:
-            self._get_range(node, descriptor, start, stop, timeout_s, pieces)
+        def get_range(node: str, source: Source, start: int, stop: int, timeout_s: float) -> None:
+            self._get_range(node, source, start, stop, timeout_s, pieces)
 
         try:
             start = 0
@@ -386,13 +392,20 @@ class _Run:
             elif answer.window_bytes:
                 self._get_windows(answer, start, until, pieces)
             else:
-                get_range(
-                    self.link.node,
-                    instruction.descriptor,
-                    start,
-                    answer.total_len,
-                    core.clock.left(until),
-                )
+                source = instruction.descriptor
+                if answer.wire:
+                    address = self.driver.peers.bulk(self.handle.worker_id)
+                    if address is None:
+                        raise WireReadError(
+                            handle=str(self.handle),
+                            peer=self.link.node,
+                            start=start,
+                            stop=answer.total_len,
+                            got=0,
+                            reason="the owner has no bulk port now",
+                        )
+                    source = WireSource(address, self.handle, answer.lease_id)
+                get_range(self.link.node, source, start, answer.total_len, core.clock.left(until))
         except BaseException:
             if relayed and lent is None:  # the owner must not point anyone else at it
                 self.link.send(RV_COPY, copy_gone_notice(self.handle, core.node_id, core.worker_id))
@@ -433,8 +446,12 @@ class _Run:
         node, worker = answer.relay_node, answer.relay_worker
         peers = self.driver.peers
         link: RelayLink | OwnRelayLink | None
+        bulk: str | None = None
         if (node, worker) == (self.core.node_id, self.core.worker_id):
             link, get_range = OwnRelayLink(self.driver.relays), self._copy_range
+        elif answer.wire:  # that agent sends its copy's bytes over its bulk port
+            bulk = peers.bulk(worker)
+            link = peers.relay(node, worker) if bulk is not None else None
         else:
             if not peers.registered(node, worker):  # its UCX address, over a Ray call, once
                 with contextlib.suppress(VeloError):
@@ -443,7 +460,7 @@ class _Run:
         if link is None:
             return 0
         buffer = self.dest.buffer
-        done = read_relay(self.core, link, (self.handle, node), buffer, until, get_range)
+        done = read_relay(self.core, link, (self.handle, node), buffer, until, get_range, bulk)
         if done < answer.total_len:
             self.link.send(RV_COPY, copy_gone_notice(self.handle, node, worker))
         if done:
@@ -451,12 +468,13 @@ class _Run:
         return done
 
     def _copy_range(
-        self, node: str, descriptor: RdmaDescriptor, start: int, stop: int, timeout_s: float
+        self, node: str, source: Source, start: int, stop: int, timeout_s: float
     ) -> None:
-        """Copy bytes ``[start, stop)`` of this agent's own copy (``descriptor`` is in this
+        """Copy bytes ``[start, stop)`` of this agent's own copy (``source`` is in this
         process; the relay lease keeps it) into the destination: another receiver on this
         node brought them over the link."""
-        ctypes.memmove(self._buffer().address + start, descriptor.addr + start, stop - start)
+        assert isinstance(source, RdmaDescriptor)
+        ctypes.memmove(self._buffer().address + start, source.addr + start, stop - start)
 
     def _get_windows(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
         """GET bytes ``[start, total_len)`` of a plain slot window by window, asking for the
@@ -501,7 +519,7 @@ class _Run:
     def _get_range(
         self,
         node: str,
-        descriptor: RdmaDescriptor,
+        descriptor: Source,
         start: int,
         stop: int,
         timeout_s: float,
@@ -509,8 +527,8 @@ class _Run:
         base: int = 0,
     ) -> None:
         """GET bytes ``[start, stop)`` of the payload from ``node`` (``descriptor`` starts
-        at byte ``base``); in pieces that other nodes may read as each lands when
-        ``pieces``."""
+        at byte ``base``), or read them over the wire; in pieces that other nodes may read
+        as each lands when ``pieces``."""
         core = self.core
         until = core.clock() + timeout_s
         step = RELAY_PIECE_BYTES if pieces else max(stop - start, 1)
@@ -522,11 +540,16 @@ class _Run:
                     core.consumer_state.relay_landed(self.handle, end)
 
     def _get_into(
-        self, node: str, descriptor: RdmaDescriptor, base: int, start: int, stop: int, until: float
+        self, node: str, descriptor: Source, base: int, start: int, stop: int, until: float
     ) -> None:
         """One GET of payload bytes ``[start, stop)`` into the destination, through its
         windows when it is plain (each registered for the time its bytes move; one the GET
-        may still write stays registered: :meth:`_end_windows`)."""
+        may still write stays registered: :meth:`_end_windows`); or, from a bulk port, one
+        read straight into the destination (it is over once it returns: nothing can write
+        the destination after)."""
+        if isinstance(descriptor, WireSource):
+            self._read_into(descriptor, start, stop, until)
+            return
         rdma, buffer, windows = self.core.ucx(), self._buffer(), self.dest.windows
         dest = buffer.address + base
         if windows is None:
@@ -546,6 +569,42 @@ class _Run:
             )  # fmt: skip
             windows.done_through(index)
             at = end
+
+    def _read_into(self, source: WireSource, start: int, stop: int, until: float) -> None:
+        """Bytes ``[start, stop)`` of the payload from ``source``'s bulk port into the
+        destination.
+
+        Raises:
+            WireReadError: the read failed (the owner's refusal included), or this agent
+                reads no wire.
+        """
+        reader = self.driver.bulk
+        request = ReadRequest(source.handle, source.lease_id, start, stop, source.copy)
+        if reader is None:
+            raise WireReadError(
+                handle=str(self.handle),
+                peer=source.address,
+                start=start,
+                stop=stop,
+                got=0,
+                reason="this agent reads no wire (it has no credentials for it)",
+            )
+        view = self._buffer().view()
+        try:
+            reader.read(source.address, request, view[start:stop], self.core.clock.left(until))
+        except WireReadError:
+            raise
+        except VeloError as exc:  # the sender refused: the lease ended, a range it lacks
+            raise WireReadError(
+                handle=str(self.handle),
+                peer=source.address,
+                start=start,
+                stop=stop,
+                got=0,
+                reason=f"refused: {exc}",
+            ) from exc
+        finally:
+            del view
 
     def act(self, instruction: Instruction) -> None:
         """Perform an instruction that expects no result."""
@@ -635,10 +694,15 @@ class _Run:
 class FetchDriver:
     """Runs fetches for the processes of this node."""
 
-    def __init__(self, core: AgentCore, peers: Peers, relays: RelayServer) -> None:
+    def __init__(
+        self, core: AgentCore, peers: Peers, relays: RelayServer, bulk: BulkReader | None = None
+    ) -> None:
+        """``bulk``: this agent's reader of other agents' bulk ports (None: it reads no
+        wire: UCX GETs or chunks only)."""
         self.core = core
         self.peers = peers
         self.relays = relays
+        self.bulk = bulk
         self.renewals = LeaseRenewals(core.node_id, core.clock)
         #: GETs of plain slots, window by window (``ray-velo status``; the tests' sign).
         self.windowed_gets = 0
@@ -673,6 +737,7 @@ class FetchDriver:
             payload_max=core.config.staged_payload_max,
             writer_bytes=None if writer_buffer is None else writer_buffer.nbytes,
             windows=core.rdma is not None and core.memory.registrar is not None,
+            wire=self.bulk is not None and self.peers.bulk(handle.worker_id) is not None,
         )
         machine = FetchMachine(handle, link.node, mode, facts)
         run = _Run(self, link, machine, deadline, pid, writer_rid, writer_buffer)

@@ -48,6 +48,15 @@ class Peers(Protocol):
         when it cannot be reached that way (read the owner's bytes)."""
         ...
 
+    def bulk(self, worker_id: int) -> str | None:
+        """``host:port`` where the agent ``worker_id`` sends payload bytes over the wire (its
+        bulk port), or None: it has none (an older version, the wire off)."""
+        ...
+
+
+#: Bulk ports remembered per agent incarnation (each lookup is a call to Ray's KV).
+_BULK_REMEMBERED = 4096
+
 
 class PeerDirectory:
     """Ray's directory of owner agents."""
@@ -60,14 +69,18 @@ class PeerDirectory:
         own_node: str,
         wire_address: Callable[[int], str | None] = lambda worker_id: None,
         wire_auth: WireAuth | None = None,
+        bulk_address: Callable[[int], str | None] = lambda worker_id: None,
     ) -> None:
         """``wire_auth``: this agent's credentials for other agents' TCP wire (None: it
-        reaches them with Ray calls only)."""
+        reaches them with Ray calls only); ``wire_address`` and ``bulk_address``: where an
+        agent incarnation serves its wire and its bulk port (Ray's KV)."""
         self._rdma = rdma
         self._find_agent = find_agent
         self._node_of_worker = node_of_worker
         self._wire_address = wire_address if wire_auth is not None else lambda worker_id: None
         self._wire_auth = wire_auth
+        self._bulk_address = bulk_address if wire_auth is not None else lambda worker_id: None
+        self._bulk: dict[int, str | None] = {}
         self._own_node = own_node
         self._lock = threading.Lock()
         self._links: dict[str, RayOwnerLink | WireOwnerLink] = {}
@@ -140,12 +153,23 @@ class PeerDirectory:
         return count
 
     def relay(self, node: str, worker_id: int) -> RelayLink | None:
-        if self._rdma is None or node == self._own_node:
+        if node == self._own_node:
             return None
         address = self._wire_address(worker_id)
         if not address or self._wire_auth is None:
             return None
         return RelayLink(address, self._wire_auth)
+
+    def bulk(self, worker_id: int) -> str | None:
+        with self._lock:
+            if worker_id in self._bulk:
+                return self._bulk[worker_id]
+        address = self._bulk_address(worker_id)  # outside the lock: a call to Ray's KV
+        with self._lock:
+            if len(self._bulk) >= _BULK_REMEMBERED:
+                self._bulk.pop(next(iter(self._bulk)))
+            self._bulk[worker_id] = address
+        return address
 
     def tell_copy_ends(self, ends: list[tuple[DataHandle, str, int]]) -> None:
         """Tell each copy's agent that its handle ended (see ``AgentCore.tell_copy_ends``),

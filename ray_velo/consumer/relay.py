@@ -11,6 +11,7 @@ from typing import Any
 
 from ray_velo.agent import nonblocking
 from ray_velo.agent.core import AgentCore
+from ray_velo.consumer.bulk import WireSource
 from ray_velo.errors import HandleNotFound, ProtocolError, UcxError, VeloError, WireAuthError
 from ray_velo.memory.pool import Placement
 from ray_velo.protocol import (
@@ -88,7 +89,8 @@ class RelayServer:
                         handle=str(remote), node=core.node_id, reason="its copy here is gone"
                     )
                 where = (buffer.registration, buffer.address, relay.total_len)
-                descriptor = core.ucx().descriptor(*where) or b""
+                # a UCX reader GETs it there; a wire reader asks this agent's bulk port
+                descriptor = (core.rdma.descriptor(*where) if core.rdma else None) or b""
             progress = RelayProgress(
                 lease_id, relay.landed, relay.total_len, int(lease_timeout * 1000), descriptor
             )
@@ -198,12 +200,14 @@ def read_relay(
     dest: Any,
     until: float,
     get_range: Callable[[str, Any, int, int, float], None],
+    bulk: str | None = None,
 ) -> int:
     """Read the copy of ``handle`` on ``node`` (``copy``: its agent is ``link``) into ``dest``
-    as it fills, by ``until`` on the agent's clock: ``get_range(node, descriptor, start, stop,
-    timeout_s)`` GETs each landed range. Returns how many bytes from the start are in ``dest``
-    (all of them, or as far as it got before the copy failed). A GET that may still write
-    ``dest`` raises (UcxError)."""
+    as it fills, by ``until`` on the agent's clock: ``get_range(node, source, start, stop,
+    timeout_s)`` GETs each landed range (``source``: the copy's descriptor), or, with
+    ``bulk`` (that agent's bulk port), reads it over the wire under the relay lease. Returns
+    how many bytes from the start are in ``dest`` (all of them, or as far as it got before
+    the copy failed). A GET that may still write ``dest`` raises (UcxError)."""
     handle, node = copy
     total, done, lease_id = dest.nbytes, 0, 0
     try:
@@ -211,7 +215,11 @@ def read_relay(
         request = RelayRequest(handle, 0, min(total, RELAY_PIECE_BYTES))
         progress = decode(RelayProgress, link.call(RV_RELAY, encode(request), wait_s))
         lease_id = progress.lease_id
-        descriptor = core.ucx().decode(progress.descriptor, total)
+        descriptor: Any
+        if bulk is not None:
+            descriptor = WireSource(bulk, handle, lease_id, copy=True)
+        else:
+            descriptor = core.ucx().decode(progress.descriptor, total)
         piece_s = max(progress.lease_timeout_ms / 2000, 0.001)  # within the relay lease
         while True:
             if progress.landed > done:

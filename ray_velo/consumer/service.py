@@ -13,6 +13,7 @@ from typing import Any
 from ray_velo.agent import nonblocking
 from ray_velo.agent.clock import Deadline
 from ray_velo.agent.core import AgentCore
+from ray_velo.consumer.bulk import BulkReader
 from ray_velo.consumer.driver import FetchDriver
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire, inline
 from ray_velo.consumer.peers import Peers
@@ -42,8 +43,15 @@ class ConsumerService:
     """Fetches, copies, claims and routing of one agent."""
 
     def __init__(
-        self, core: AgentCore, peers: Peers, owner: OwnerService, serve: Callable[[Entry], Any]
+        self,
+        core: AgentCore,
+        peers: Peers,
+        owner: OwnerService,
+        serve: Callable[[Entry], Any],
+        bulk: BulkReader | None = None,
     ) -> None:
+        """``bulk``: the reader of other agents' bulk ports (None: this agent reads no
+        wire)."""
         self.core = core
         self.peers = peers
         self.owner = owner
@@ -54,7 +62,7 @@ class ConsumerService:
         self.relays = RelayServer(
             core, lambda handle: handle in self._flights or handle in self._into_writers
         )
-        self.driver = FetchDriver(core, peers, self.relays)
+        self.driver = FetchDriver(core, peers, self.relays, bulk)
         #: Transfers in flight by handle (on the event loop): a second fetch of one waits
         #: for it and reads its node-local copy, so the bytes cross the link once.
         self._flights: dict[DataHandle, asyncio.Future[None]] = {}

@@ -13,6 +13,8 @@ from ray_velo.agent.core import AgentCore
 from ray_velo.errors import ProtocolError, VeloError
 from ray_velo.memory.windows import WindowSet
 from ray_velo.protocol import (
+    OFFER_UCX,
+    OFFER_WIRE,
     AcquireRequest,
     CopyNotice,
     DataHandle,
@@ -21,8 +23,10 @@ from ray_velo.protocol import (
     MetadataRequest,
     MetadataResponse,
     OwnerFacts,
+    PathDecision,
     PullRequest,
     Rdma,
+    RdmaOffer,
     Ready,
     RefRequest,
     ReleaseRequest,
@@ -72,8 +76,7 @@ class OwnerService:
         request = decode(AcquireRequest, data)
         core = self.core
         core.commits.wait(request.handle)
-        if request.rdma is None or not request.rdma.windows:
-            # only a consumer that GETs window by window may start before all bytes are in
+        if not _streams(request.rdma):
             core.wait_written(request.handle)
         opened = self._open_windows(request)
         granted = False
@@ -84,10 +87,15 @@ class OwnerService:
                     consumer = (request.consumer_node, request.consumer_worker)
                     core.metrics.leases_reaped(core.state.supersede(*consumer, core.clock(), fx))
                 slot = core.state.slot(request.handle)
-                descriptor, windows = self._decide(request, slot, opened)
-                if descriptor or windows is not None:
+                decision, windows = self._decide(request, slot, opened)
+                if decision.path == "wire":
                     fx.poke = True
-                    answer = self._grant_rdma(request, slot, descriptor, consumer, windows)
+                    return self._grant_direct(request, slot, b"", consumer, wire=True)
+                if decision.path == "rdma":
+                    fx.poke = True
+                    answer = self._grant_direct(
+                        request, slot, decision.descriptor, consumer, windows
+                    )
                     granted = windows is not None  # the lease owns them from here on
                     return answer
                 fx.poke = request.lease_ms > 0 or bool(request.holder_pid)
@@ -101,8 +109,11 @@ class OwnerService:
         (charged to the budget), or None: no windows offered, the slot takes none, or the
         budget cannot take them. Outside the lock; the decision under it may still not use
         them (the caller closes them then)."""
-        if request.rdma is None or not request.rdma.windows or self.core.rdma is None:
+        offer = request.rdma
+        if offer is None or not offer.windows or self.core.rdma is None:
             return None
+        if OFFER_WIRE in offer.backends and self.core.serves_wire:
+            return None  # a plain slot goes over the wire: nothing to register
         core = self.core
         with core.lock:
             try:
@@ -126,9 +137,10 @@ class OwnerService:
 
     def _decide(
         self, request: AcquireRequest, slot: SlotView, opened: WindowSet | None
-    ) -> tuple[bytes, WindowSet | None]:
-        """The eight checks, counted: the descriptor to answer with, or the window set of a
-        plain slot (``opened``, if the checks reach it), or (b"", None) for chunked."""
+    ) -> tuple[PathDecision, WindowSet | None]:
+        """The eight checks and the wire's, counted: the decision (an RDMA one carries its
+        descriptor), and the window set of a plain slot (``opened``, if the checks reach
+        it)."""
         core = self.core
         used: list[WindowSet] = []
 
@@ -147,27 +159,33 @@ class OwnerService:
             rdma_min_bytes=core.config.rdma.rendezvous.rdma_min_bytes,
             draining=core.state.counts().draining,
             windowed=bool(request.rdma and request.rdma.windows and _window_buffer(slot)),
+            serves_wire=core.serves_wire,
+            slot_in_memory=slot.location is not None and slot.total_len > 0,
         )
         decision = decide_path(facts, lambda: self._descriptor(slot), open_windows)
         core.metrics.path(decision.path, decision.reason)
-        return decision.descriptor, (used[0] if used else None)
+        return decision, (used[0] if used else None)
 
-    def _grant_rdma(
+    def _grant_direct(
         self,
         request: AcquireRequest,
         slot: SlotView,
         descriptor: bytes,
         consumer: tuple[str, int] | None,
         windows: WindowSet | None = None,
+        *,
+        wire: bool = False,
     ) -> bytes:
         """An RDMA lease (always with a deadline) and the answer carrying the descriptor, or
         the window size of a plain slot (the lease owns its window set from here on) or of a
-        slot whose producer is still writing it (each window is answered once written)."""
+        slot whose producer is still writing it (each window is answered once written); or,
+        ``wire``, a wire lease (a deadline too) whose bytes this owner sends over the wire
+        (it waits for a streamed producer's bytes itself: no windows)."""
         rendezvous = self.core.config.rdma.rendezvous
         lease = self.core.state.grant(
             request.handle,
             self.core.clock(),
-            kind="rdma",
+            kind="wire" if wire else "rdma",
             timeout=rendezvous.lease_timeout,
             claim=request.claim,
             consumer=consumer,
@@ -177,7 +195,7 @@ class OwnerService:
         if windows is not None:
             self.windowed_leases += 1
             window_bytes = windows.window_bytes
-        elif self.core.state.writes.active(slot.slot_id):
+        elif not wire and self.core.state.writes.active(slot.slot_id):
             # with the descriptor: the consumer asks how far the bytes are written
             window_bytes = written_window_bytes(slot.total_len)
         unclaimed = _unclaimed(request, slot)
@@ -203,6 +221,7 @@ class OwnerService:
                 relay_worker=relay.worker if relay else 0,
                 unclaimed=unclaimed,
                 window_bytes=window_bytes,
+                wire=wire,
             )
         )
 
@@ -384,6 +403,15 @@ def _window_buffer(slot: SlotView) -> Buffer | None:
     if not slot.windowable or slot.pinned or slot.total_len <= 0:
         return None
     return None if location is None or isinstance(location, RegionSlot) else location
+
+
+def _streams(offer: RdmaOffer | None) -> bool:
+    """Whether an acquire with ``offer`` may be answered before the producer wrote all the
+    bytes (streamed staging): its consumer GETs window by window, or it can only read over
+    the wire or by chunks, where the owner waits for each piece's bytes before it sends."""
+    if offer is None:
+        return False
+    return offer.windows or (OFFER_WIRE in offer.backends and OFFER_UCX not in offer.backends)
 
 
 def _unclaimed(request: AcquireRequest, slot: SlotView) -> int:

@@ -23,6 +23,7 @@ from ray_velo.protocol.messages import (
     PullRequest,
     Rdma,
     RdmaOffer,
+    ReadRequest,
     Ready,
     RefRequest,
     RelayEnd,
@@ -37,6 +38,8 @@ from ray_velo.protocol.messages import (
     encode,
 )
 from ray_velo.protocol.path import (
+    OFFER_UCX,
+    OFFER_WIRE,
     ConsumerOffer,
     OwnerFacts,
     PathDecision,
@@ -50,6 +53,8 @@ __all__ = [
     "DESCRIPTOR_VERSION",
     "KILL_SWITCH_ENV",
     "MAX_DESCRIPTOR_RKEY_BYTES",
+    "OFFER_UCX",
+    "OFFER_WIRE",
     "AcquireRequest",
     "ConsumerOffer",
     "CopyNotice",
@@ -65,6 +70,7 @@ __all__ = [
     "Rdma",
     "RdmaDescriptor",
     "RdmaOffer",
+    "ReadRequest",
     "Ready",
     "RefRequest",
     "RelayEnd",

@@ -24,6 +24,7 @@ __all__ = [
     "PullRequest",
     "Rdma",
     "RdmaOffer",
+    "ReadRequest",
     "Ready",
     "RefRequest",
     "RelayEnd",
@@ -44,7 +45,9 @@ NULL_HANDLE = DataHandle(0, 0)
 
 @dataclass(frozen=True, slots=True)
 class RdmaOffer:
-    """What a consumer can GET with: the backend names it has an endpoint for.
+    """What a consumer can GET with: the backend names it has an endpoint for (``"ucx"``),
+    and ``"wire"`` when it can read the owner's bytes over the agents' authenticated wire
+    (the owner sends them; an owner from before the wire path ignores the name).
 
     ``windows``: it can GET a payload staged in plain memory through windows the owner
     registers one after another (``_rv_window``). False, as before the field existed.
@@ -164,6 +167,11 @@ class Rdma:
             Not 0 with a ``descriptor``: the slot's producer is still writing it (streamed
             staging); ``_rv_window`` for window ``i`` answers, once that window is written,
             the descriptor of the bytes from it to as far as they are written.
+        wire: the bytes come over the agents' wire, not by a GET: the consumer reads ranges
+            of this lease (:class:`ReadRequest`) at the owner's bulk port, the owner sends
+            them; ``descriptor`` is empty and ``window_bytes`` 0. A copy it is pointed at
+            (``relay_node``) is read the same way at that agent's port. False, as before
+            the field existed (only a consumer that offered ``"wire"`` gets it).
     """
 
     lease_id: int = 0
@@ -176,6 +184,20 @@ class Rdma:
     relay_worker: int = 0
     unclaimed: int = -1
     window_bytes: int = 0
+    wire: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """A bulk read on the agents' wire: send bytes ``[start, stop)`` of ``handle`` to the
+    holder of ``lease_id`` (a wire lease on the owner's slot; with ``copy``, a relay lease on
+    this agent's copy of another owner's handle, read as it fills)."""
+
+    handle: DataHandle = NULL_HANDLE
+    lease_id: int = 0
+    start: int = 0
+    stop: int = 0
+    copy: bool = False
 
 
 @dataclass(frozen=True, slots=True)

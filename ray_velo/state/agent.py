@@ -68,7 +68,8 @@ class AgentStates:
         """Transfers of this node moving bytes now: leases other nodes GET or pull under,
         and this node's own fetches."""
         owner = self.owner.counts()
-        return owner.rdma_leases + owner.chunked_leases + self.consumer.fetches_in_flight
+        leases = owner.rdma_leases + owner.chunked_leases + owner.wire_leases
+        return leases + self.consumer.fetches_in_flight
 
     def watched_pids(self) -> set[int]:
         """Processes whose death matters: readers, producers, claimers, followed producers."""

@@ -8,7 +8,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterable
 
-from ray_velo.errors import HandleNotFound, LeaseNotFound
+from ray_velo.errors import HandleNotFound, LeaseNotFound, ProtocolError
 from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.ids import IdSequence
 from ray_velo.protocol.messages import TypeHeader
@@ -223,8 +223,9 @@ class ConsumerState:
     @staticmethod
     def relay_reading(relay: Relay, now: float) -> bool:
         """Whether a reader of ``relay`` may still GET its bytes: one holds a relay lease not
-        yet past its deadline (a reader's GET ends within its lease)."""
-        return any(due > now for due in relay.readers.values())
+        yet past its deadline (a reader's GET ends within its lease), or this agent is still
+        sending some of them over the wire."""
+        return any(due > now for due in relay.readers.values()) or any(relay.sending.values())
 
     def relay_close_lent(self, relay: Relay) -> None:
         """Lent copy ``relay`` is its writer's alone again (sealed, its readers gone or past
@@ -287,9 +288,64 @@ class ConsumerState:
         relay.readers[lease_id] = now + timeout
         return relay
 
-    def relay_leave(self, remote: DataHandle, lease_id: int, now: float, fx: Effects) -> None:
-        """Relay lease ``lease_id`` ends (unknown: already ended, nothing to do)."""
+    def relay_send_begin(
+        self, remote: DataHandle, lease_id: int, start: int, stop: int, now: float
+    ) -> Buffer:
+        """This agent starts sending bytes ``[start, stop)`` of its copy of ``remote`` to the
+        holder of relay lease ``lease_id`` over the wire: the buffer they are in, held (the
+        lease cannot end) until :meth:`relay_send_end`.
+
+        Raises:
+            LeaseNotFound: no such live relay lease.
+            ProtocolError: the bytes have not landed (the reader asks ``_rv_relay`` first).
+        """
+        relay = self._relay_sending(remote, lease_id, now)
+        buffer = self.relay_buffer(relay)
+        if not 0 <= start < stop <= relay.landed or buffer is None:
+            raise ProtocolError(
+                f"bytes [{start}, {stop}) of the copy of {remote} have not landed "
+                f"({relay.landed} of {relay.total_len})"
+            )
+        relay.sending[lease_id] += 1
+        return buffer
+
+    def relay_still_sending(self, remote: DataHandle, lease_id: int, now: float) -> None:
+        """Check, before each piece, that relay lease ``lease_id`` still holds.
+
+        Raises:
+            LeaseNotFound: it ended (its reader said so) or its deadline passed.
+        """
+        self._relay_sending(remote, lease_id, now)
+
+    def _relay_sending(self, remote: DataHandle, lease_id: int, now: float) -> Relay:
         relay = self._relays.get(remote)
+        due = None if relay is None else relay.readers.get(lease_id)
+        if relay is None or due is None or due <= now or lease_id in relay.leaving:
+            raise LeaseNotFound(handle=str(remote), lease_id=lease_id)
+        return relay
+
+    def relay_send_end(self, remote: DataHandle, lease_id: int, now: float, fx: Effects) -> None:
+        """A send under relay lease ``lease_id`` ended; the lease ends now if its reader or
+        its deadline ended it meanwhile."""
+        relay = self._relays.get(remote)
+        if relay is None or relay.sending[lease_id] <= 0:
+            return
+        relay.sending[lease_id] -= 1
+        if relay.sending[lease_id] > 0:
+            return
+        del relay.sending[lease_id]
+        due = relay.readers.get(lease_id)
+        if lease_id in relay.leaving or (due is not None and due <= now):
+            relay.leaving.discard(lease_id)
+            self.relay_leave(remote, lease_id, now, fx)
+
+    def relay_leave(self, remote: DataHandle, lease_id: int, now: float, fx: Effects) -> None:
+        """Relay lease ``lease_id`` ends (unknown: already ended, nothing to do); with a send
+        under it in progress, once that send ends."""
+        relay = self._relays.get(remote)
+        if relay is not None and relay.sending[lease_id] > 0:
+            relay.leaving.add(lease_id)
+            return
         if relay is None or relay.readers.pop(lease_id, None) is None:
             return
         if relay.slot_id is not None:
@@ -355,7 +411,7 @@ class ConsumerState:
         """End the relay leases past their deadline and the kept copies idle too long."""
         for relay in list(self._relays.values()):
             for lease_id, due in list(relay.readers.items()):
-                if due <= now:
+                if due <= now and not relay.sending[lease_id]:  # else: when its send ends
                     self.relay_leave(relay.remote, lease_id, now, fx)
         while self._kept_due and self._kept_due[0][0] <= now:
             due, _, remote = heapq.heappop(self._kept_due)
@@ -368,7 +424,12 @@ class ConsumerState:
 
     def next_due(self) -> float | None:
         """The earliest relay lease deadline or kept copy's idle end, or None."""
-        due = [d for relay in self._relays.values() for d in relay.readers.values()]
+        due = [
+            d
+            for relay in self._relays.values()
+            for lease_id, d in relay.readers.items()
+            if not relay.sending[lease_id]  # ends with its send, not by the timer
+        ]
         while self._kept_due and self._kept_idle.get(self._kept_due[0][2]) != self._kept_due[0][0]:
             heapq.heappop(self._kept_due)  # stale
         if self._kept_due:

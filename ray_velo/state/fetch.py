@@ -46,9 +46,10 @@ Answer = Ready | Rdma
 @dataclass(frozen=True, slots=True)
 class FetchFacts:
     """What the consumer knows before it starts: its three offer facts, its payload limit,
-    the capacity of a PinnedWriter destination (None: it allocates its own), and whether it
-    can GET through windows (it reaches the owner's ``_rv_window`` and registers windows of
-    a plain destination itself)."""
+    the capacity of a PinnedWriter destination (None: it allocates its own), whether it can
+    GET through windows (it reaches the owner's ``_rv_window`` and registers windows of a
+    plain destination itself), and whether it can read the owner's bytes over the agents'
+    wire (the owner has a bulk port, this agent the cluster's credentials)."""
 
     has_registry: bool
     rdma_enabled: bool
@@ -56,6 +57,7 @@ class FetchFacts:
     payload_max: int | None = None
     writer_bytes: int | None = None
     windows: bool = False
+    wire: bool = False
 
 
 # --- instructions ---------------------------------------------------------------------------
@@ -91,7 +93,8 @@ class Allocate:
 @dataclass(frozen=True, slots=True)
 class Get:
     """Request: GET the checked descriptor into the destination, renewing the lease (a
-    windowed answer has no descriptor: the driver asks for each window's)."""
+    windowed answer has no descriptor: the driver asks for each window's; a wire answer
+    neither: the owner sends the lease's bytes, read over the wire)."""
 
     answer: Rdma
     descriptor: Any
@@ -278,7 +281,11 @@ class FetchMachine:
             raise RuntimeError("a FetchMachine starts once")
         facts = self.facts
         offer = build_offer(
-            facts.has_registry, facts.rdma_enabled, facts.peer_registered, windows=facts.windows
+            facts.has_registry,
+            facts.rdma_enabled,
+            facts.peer_registered,
+            windows=facts.windows,
+            wire=facts.wire,
         )
         out: list[Instruction] = []
         if offer.reason is not None:
@@ -325,6 +332,14 @@ class FetchMachine:
                     "refusing to retry"
                 )
                 return self._fail(error)
+            if answer.wire:
+                if not self.facts.wire:
+                    error = ProtocolError(
+                        f"owner on node {self.node} answered the wire path to an offer "
+                        "without it; refusing to retry"
+                    )
+                    return self._fail(error)
+                return self._destination(answer, registered=False)  # plain: nothing to GET
             if answer.window_bytes:
                 if not self.facts.windows:
                     error = ProtocolError(
@@ -392,18 +407,22 @@ class FetchMachine:
         return self._get(self.answer)
 
     def _allocated_plain(self, event: Allocated) -> list[Instruction]:
-        assert isinstance(self.answer, Ready)
+        answer = self.answer
+        assert answer is not None
         if not event.ok:
             error = StagingError(
-                f"no memory on this node for {self.answer.total_len} bytes of {self.handle}"
+                f"no memory on this node for {answer.total_len} bytes of {self.handle}"
             )
             return self._fail(error)
-        self.dest, self.dest_bytes, self.dest_registered = "fetch", self.answer.total_len, False
+        self.dest, self.dest_bytes, self.dest_registered = "fetch", answer.total_len, False
+        if isinstance(answer, Rdma):  # the wire path: the owner sends into plain memory
+            return self._get(answer)
         self.state = "pulling"
-        return [Pull(self.answer)]
+        return [Pull(answer)]
 
     def _get_ok(self, event: GetOk) -> list[Instruction]:
-        return [Count("rdma", "ok"), *self._finish("rdma")]
+        path = "wire" if isinstance(self.answer, Rdma) and self.answer.wire else "rdma"
+        return [Count(path, "ok"), *self._finish(path)]
 
     def _get_failed(self, event: GetFailed) -> list[Instruction]:
         out: list[Instruction] = []

@@ -41,6 +41,7 @@ __all__ = [
     "PullPlan",
     "ReadMode",
     "RegionSlot",
+    "SendPlan",
     "SlotWatcher",
 ]
 
@@ -79,9 +80,22 @@ class PullPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class SendPlan:
+    """Bytes ``[start, stop)`` of ``slot`` to send to the reader of a wire lease: a read in
+    progress (the bytes stay) until :meth:`OwnerState.end_read`. ``location`` is where they
+    were when the send began (shutdown may move the slot; the read keeps these)."""
+
+    slot: SlotView
+    location: Buffer | RegionSlot
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
 class OwnerCounts:
     """What the owner state holds, for ``ray-velo status``, the gauges and the drain.
-    ``rdma_leases`` / ``chunked_leases``: those whose deadline has not passed."""
+    ``rdma_leases`` / ``chunked_leases`` / ``wire_leases``: those whose deadline has not
+    passed."""
 
     live_slots: int
     live_handles: int
@@ -89,6 +103,7 @@ class OwnerCounts:
     staged_bytes: int
     rdma_leases: int
     chunked_leases: int
+    wire_leases: int
     late_reads: int
     quarantined_bytes: int
     copy_sources: int
@@ -272,6 +287,7 @@ class OwnerState:
             staged_bytes=store.staged_bytes,
             rdma_leases=store.leases_of("rdma", now),
             chunked_leases=store.leases_of("chunked", now),
+            wire_leases=store.leases_of("wire", now),
             late_reads=store.late_reads,
             quarantined_bytes=self.ledger.quarantined_bytes,
             copy_sources=self.sources.count(),
@@ -397,6 +413,35 @@ class OwnerState:
             return PullPlan(slot, start, length, view=False)
         self._pulled_at[slot.slot_id] = now
         return PullPlan(slot, start, length, view=True)
+
+    def begin_send(
+        self, handle: DataHandle, lease_id: int, start: int, stop: int, now: float
+    ) -> SendPlan:
+        """The owner starts sending bytes ``[start, stop)`` of ``handle`` to the reader of wire
+        lease ``lease_id`` (over the agents' wire): a read in progress until
+        :meth:`end_read`, so bytes freed meanwhile (the lease ended, the TTL fired) stay
+        until the piece being sent is out.
+
+        Raises:
+            LeaseNotFound: no live wire lease ``lease_id`` on ``handle``.
+            ProtocolError: the range is outside the payload, or empty.
+        """
+        slot = self._store.sending(handle, lease_id, now)
+        location = slot.location
+        if not 0 <= start < stop <= slot.total_len or location is None:
+            raise ProtocolError(
+                f"bytes [{start}, {stop}) are outside the {slot.total_len} bytes of {handle}"
+            )
+        self.reads.begin(slot.slot_id)
+        return SendPlan(slot, location, start, stop)
+
+    def still_sending(self, handle: DataHandle, lease_id: int, now: float) -> None:
+        """Check, before each piece, that wire lease ``lease_id`` still lets the owner send.
+
+        Raises:
+            LeaseNotFound: it ended (released, expired, superseded, the handle's TTL or job).
+        """
+        self._store.sending(handle, lease_id, now)
 
     def take_ended_windows(self) -> list[WindowSet]:
         """The window sets of the leases ended since the last call: the caller closes them

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ray_velo.protocol.handle import DataHandle
@@ -114,7 +115,9 @@ class Relay:
     stay (a read in progress on the slot, or ``relayed:<fid>`` after a failed fetch).
     ``failed``: no more bytes will land (the fetch failed or the copy ended). ``sealed``: a
     copy in a PinnedWriter whose fetch returned: its readers finish, nobody new joins (the
-    writer is its process's once they did).
+    writer is its process's once they did). ``sending``: relay lease id -> sends of its bytes
+    in progress on the agents' wire; such a lease ends (its deadline passed, its reader said
+    so: ``leaving``) only once they are out, so its bytes stay while a piece is on its way.
     """
 
     remote: DataHandle
@@ -125,3 +128,5 @@ class Relay:
     failed: bool = False
     sealed: bool = False
     readers: dict[int, float] = field(default_factory=dict)
+    sending: Counter[int] = field(default_factory=Counter)
+    leaving: set[int] = field(default_factory=set)

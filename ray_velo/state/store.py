@@ -20,14 +20,17 @@ Rules, from the protocol (docs/protocol.md §3, §11) and the lifetime issue:
   unclaimed reference (``refcount - claimed >= 1``) or is refused with ``HandleReleased``: N
   references allow exactly N consumers, however many race. A claim ends with a
   ``release(claim=True)`` (its reference consumed) or ``unclaim`` (given back).
-* An RDMA lease always has a deadline (``lease_timeout``), renewed while its GET runs; a
-  chunked lease has one only when the acquire asked for it (``lease_ms``), renewed by each
-  pull; a local lease (a process on this node reading in place) has none and ends when its
-  holder process dies (a detach: the reference was dealt with at acquire).
+* An RDMA lease always has a deadline (``lease_timeout``), renewed while its GET runs; so
+  does a wire lease (the owner sends the bytes over the agents' wire, checking the lease
+  before each piece); a chunked lease has one only when the acquire asked for it
+  (``lease_ms``), renewed by each pull; a local lease (a process on this node reading in
+  place) has none and ends when its holder process dies (a detach: the reference was dealt
+  with at acquire).
 * A remote lease past its deadline is force-released like a consumer's ``release`` (lock, one
   reference, and its claim if it carried one): its consumer is gone or gave up.
-* A TTL ends the handle and its chunked leases; RDMA and local leases keep the bytes until
-  they end, since a GET or a view may still read them.
+* A TTL ends the handle and its chunked and wire leases (the owner is their sender: it stops,
+  and a piece it is sending holds the bytes in the read gate); RDMA and local leases keep
+  the bytes until they end, since a GET or a view may still read them.
 * A slot records the Ray job that staged it (``job``); :meth:`end_job` ends its handles as a
   TTL does, unless it was staged ``detached``. ``followed_jobs()`` names the jobs whose end
   the owner must watch for; ``next_deadline()`` says when the next deadline falls, so the
@@ -87,7 +90,9 @@ __all__ = [
 ]
 
 SlotKind = Literal["empty", "plain", "pooled", "dedicated", "region"]
-LeaseKind = Literal["rdma", "chunked", "local"]
+LeaseKind = Literal["rdma", "chunked", "local", "wire"]
+#: Leases whose reader the owner serves (it sends their bytes): a TTL ends them at once.
+_SENT_TO: frozenset[str] = frozenset({"chunked", "wire"})
 
 TTL_EXPIRED = "its TTL expired"
 JOB_ENDED = "its job ended"
@@ -208,6 +213,7 @@ class SweepResult:
     freed: list[FreedSlot] = field(default_factory=list)
     rdma_leases_reaped: int = 0
     chunked_leases_expired: int = 0
+    wire_leases_expired: int = 0
     slots_expired: int = 0
 
 
@@ -224,6 +230,7 @@ class StoreCounters:
     claims_refused: int = 0
     rdma_leases_reaped: int = 0
     chunked_leases_expired: int = 0
+    wire_leases_expired: int = 0
     local_leases_reaped: int = 0
     slots_expired: int = 0
     slots_job_ended: int = 0
@@ -437,15 +444,16 @@ class SlotStore:
         consumer agent it is for (see :meth:`supersede`); ``windows``: the window set the
         lease's GET reads through (closed when it ends: :meth:`take_ended_windows`).
 
-        An RDMA lease must have a timeout (the owner cannot see a GET stop).
+        An RDMA lease must have a timeout (the owner cannot see a GET stop), and so must a
+        wire lease (its reader may stop reading).
 
         Raises:
             HandleNotFound: the handle ended (or never was).
             HandleReleased: ``claim`` and every reference is claimed already.
         """
         slot = self._slot(handle)
-        if kind == "rdma" and timeout is None:
-            raise ProtocolError("an RDMA lease always carries a deadline")
+        if kind in ("rdma", "wire") and timeout is None:
+            raise ProtocolError(f"an {kind} lease always carries a deadline")
         if claim:
             self._claim(slot, handle)
         lease = Lease(
@@ -531,11 +539,32 @@ class SlotStore:
     def pull(self, transfer_id: int, now: float) -> SlotView:
         """A chunk pull on ``transfer_id`` (a chunked lease id): renews its deadline."""
         lease = self._leases.get(transfer_id)
-        if lease is None or lease.kind == "rdma":
+        if lease is None or lease.kind in ("rdma", "wire"):
             raise LeaseNotFound(handle="?", lease_id=transfer_id)
         if lease.timeout is not None:
             lease.deadline = now + lease.timeout
         return self._slots[lease.slot_id]
+
+    def sending(self, handle: DataHandle, lease_id: int, now: float) -> SlotView:
+        """The slot of wire lease ``lease_id`` on ``handle``, while the owner may send its
+        bytes: the lease is a wire lease on that handle and its deadline has not passed
+        (the sweep may not have run yet). Renews nothing: its reader does.
+
+        Raises:
+            LeaseNotFound: no such live wire lease (it ended, expired, or is of another
+                kind, or on another handle).
+        """
+        lease = self._leases.get(lease_id)
+        slot = self._slots.get(handle.slot_id) if handle.worker_id == self.worker_id else None
+        if (
+            lease is None
+            or slot is None
+            or lease.slot_id != slot.slot_id
+            or lease.kind != "wire"
+            or (lease.deadline is not None and lease.deadline <= now)
+        ):
+            raise LeaseNotFound(handle=str(handle), lease_id=lease_id)
+        return slot
 
     def ref(self, handle: DataHandle) -> int:
         """One more reference, for one more consumer. Returns the new refcount."""
@@ -628,13 +657,13 @@ class SlotStore:
         self.counters.handles_ended += 1
 
     def _expire(self, slot: Slot, why: str) -> FreedSlot | None:
-        """End a live handle as a TTL does: its chunked leases end with it (their consumers
-        gave up); an RDMA lease (a GET may still read) or a local one (a view) keeps the
-        bytes until it ends."""
+        """End a live handle as a TTL does: its chunked and wire leases end with it (their
+        consumers gave up; the owner sends them nothing more); an RDMA lease (a GET may
+        still read) or a local one (a view) keeps the bytes until it ends."""
         self._end(slot, why)
         for lease_id in list(slot.leases):
             lease = self._leases[lease_id]
-            if lease.kind == "chunked":
+            if lease.kind in _SENT_TO:
                 self._drop_lease(slot, lease)
         return self._free_if_done(slot, why, abandoned=True)
 
@@ -716,6 +745,9 @@ class SlotStore:
             if lease.kind == "rdma":
                 result.rdma_leases_reaped += 1
                 why = "its RDMA lease was reaped: no renewal within lease_timeout"
+            elif lease.kind == "wire":
+                result.wire_leases_expired += 1
+                why = "its wire lease expired: no renewal within lease_timeout"
             else:
                 result.chunked_leases_expired += 1
                 why = "its chunked lease expired: no pull within the fetch bound"
@@ -724,6 +756,7 @@ class SlotStore:
                 result.freed.append(freed)
         self.counters.rdma_leases_reaped += result.rdma_leases_reaped
         self.counters.chunked_leases_expired += result.chunked_leases_expired
+        self.counters.wire_leases_expired += result.wire_leases_expired
         self.counters.slots_expired += result.slots_expired
         return result
 
@@ -847,8 +880,8 @@ class SlotStore:
                 (lease.deadline is not None) == (timed is lease),
                 f"lease {lease_id}: deadline {lease.deadline}, timed index {timed}",
             )
-            if lease.kind == "rdma":
-                _check(lease.deadline is not None, f"RDMA lease {lease_id} has no deadline")
+            if lease.kind in ("rdma", "wire"):
+                _check(lease.deadline is not None, f"{lease.kind} lease {lease_id} has no deadline")
         for slot_id, slot in self._slots.items():
             self._validate_slot(slot_id, slot)
         for lease_id in self._timed_leases:

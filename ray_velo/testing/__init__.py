@@ -1,7 +1,8 @@
 """Test doubles for ray_velo's tests and users': a fake clock, a fake RDMA transport, and a pair
 of real agents in one process without Ray or UCX (docs/api.md, "Testing").
 
-May import: errors, config, protocol, memory, ucx, state, agent, local, consumer, actors, client.
+May import: errors, config, protocol, memory, ucx, wire, state, agent, local, consumer, actors,
+client.
 """
 
 from typing import TYPE_CHECKING

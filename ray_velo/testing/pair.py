@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,9 @@ from ray_velo.protocol import (
     encode,
 )
 from ray_velo.protocol.entry import RV_ACQUIRE, Entry
+from ray_velo.protocol.handshake import SECRET_BYTES
 from ray_velo.testing.fakes import FakeClock, FakeJobs, FakeRdma
+from ray_velo.wire.auth import WireAuth
 
 __all__ = ["AgentPair", "InProcessLink", "InProcessPeers"]
 
@@ -105,11 +108,15 @@ class InProcessLink:
 
 
 class InProcessPeers:
-    """A consumer's directory holding one in-process owner."""
+    """A consumer's directory holding one in-process owner (``bulk``: its bulk port, when
+    it has one)."""
 
-    def __init__(self, consumer_rdma: FakeRdma | None, link: InProcessLink) -> None:
+    def __init__(
+        self, consumer_rdma: FakeRdma | None, link: InProcessLink, bulk: str | None = None
+    ) -> None:
         self.rdma = consumer_rdma
         self.owner_link = link
+        self.bulk_address = bulk
 
     def link(self, handle: DataHandle) -> OwnerLink:
         if handle.worker_id != self.owner_link.agent.worker_id:
@@ -138,6 +145,9 @@ class InProcessPeers:
     def relay(self, node: str, worker_id: int) -> None:
         return None  # one owner, one consumer: no other node's copy to read
 
+    def bulk(self, worker_id: int) -> str | None:
+        return self.bulk_address if worker_id == self.owner_link.agent.worker_id else None
+
 
 class AgentPair:
     """An owner agent ("node-a") and a consumer agent ("node-b") in this process.
@@ -149,6 +159,8 @@ class AgentPair:
         registered: whether the consumer already knows the owner's UCX address (False: the
             cold start, whose first fetch is chunked).
         consumer_config: the consumer's own configuration (default: ``config``).
+        wire: the owner sends its bytes over a real bulk port on 127.0.0.1 (both agents hold
+            one cluster's secret, ``auth``): the wire path, as between hosts on a TCP network.
     """
 
     def __init__(
@@ -159,6 +171,7 @@ class AgentPair:
         rdma: bool = True,
         registered: bool = True,
         consumer_config: VeloConfig | None = None,
+        wire: bool = False,
     ) -> None:
         Path(shm_dir).mkdir(parents=True, exist_ok=True)
         self.config = (config or default_config()).replace(shm_dir=os.fspath(shm_dir))
@@ -167,16 +180,32 @@ class AgentPair:
         self.owner_rdma = FakeRdma(self.clock) if rdma else None
         self.consumer_rdma = FakeRdma(self.clock) if rdma else None
         self.jobs = FakeJobs()
+        self.auth = WireAuth(secrets.token_bytes(SECRET_BYTES)) if wire else None
         self.owner = RendezvousAgent(
-            self.config, "node-a", rdma=self.owner_rdma, clock=self.clock, timer=False,
-            jobs=self.jobs, faults=FaultPlan(),
-        )  # fmt: skip
+            self.config,
+            "node-a",
+            rdma=self.owner_rdma,
+            clock=self.clock,
+            timer=False,
+            jobs=self.jobs,
+            wire_auth=self.auth,
+            bulk_host="127.0.0.1" if wire else None,
+            faults=FaultPlan(),
+        )
         self.link = InProcessLink(self.owner)
-        self.peers = InProcessPeers(self.consumer_rdma, self.link)
+        bulk = None if self.owner.bulk is None else self.owner.bulk.address
+        self.peers = InProcessPeers(self.consumer_rdma, self.link, bulk)
         self.consumer = RendezvousAgent(
-            self.consumer_config, "node-b", rdma=self.consumer_rdma, peers=self.peers, clock=self.clock,
-            timer=False, jobs=self.jobs, faults=FaultPlan(),
-        )  # fmt: skip
+            self.consumer_config,
+            "node-b",
+            rdma=self.consumer_rdma,
+            peers=self.peers,
+            clock=self.clock,
+            timer=False,
+            jobs=self.jobs,
+            wire_auth=self.auth,
+            faults=FaultPlan(),
+        )
         self.owner.core.tell_copy_ends = self._tell_copy_ends
         if registered and self.consumer_rdma is not None and self.owner_rdma is not None:
             self.consumer_rdma.register_peer(

@@ -26,7 +26,14 @@ from ray_velo.protocol.handshake import (
     ServerHandshake,
 )
 
-__all__ = ["HANDSHAKE_TIMEOUT_S", "TLS_ENV", "TlsFiles", "WireAuth", "peer_address"]
+__all__ = [
+    "HANDSHAKE_TIMEOUT_S",
+    "TLS_ENV",
+    "TlsFiles",
+    "WireAuth",
+    "keep_alive",
+    "peer_address",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -36,6 +43,13 @@ HANDSHAKE_TIMEOUT_S = 2.0
 TLS_ENV = ("RAY_USE_TLS", "RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 #: Peer addresses already warned about (a bounded memory: an old one is forgotten first).
 _WARNED_ADDRESSES = 1024
+#: TCP keepalive on the wire's connections: probes after this many idle seconds, every
+#: interval, and the connection is dead after that many unanswered (a vanished peer is
+#: noticed in about 25 s instead of the kernel's two hours).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+#: Unacknowledged data older than this fails the connection (TCP_USER_TIMEOUT): a peer
+#: whose host vanished mid-send is noticed in this time, not the ~15 minutes of retransmits.
+USER_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +172,34 @@ class WireAuth:
         except WireAuthError as exc:
             raise WireAuthError(reason=exc.fields["reason"], peer=peer) from None
 
+    def accept_blocking(self, sock: socket.socket, timeout_s: float) -> socket.socket:
+        """:meth:`accept` for a thread, on a fresh blocking connection: TLS first where Ray
+        uses TLS, then the challenge and response, all within ``timeout_s``. Returns the
+        socket to use from then on (the TLS one under TLS).
+
+        Raises:
+            WireAuthError: the peer failed (``reason``: tls, malformed, bad_proof, closed,
+                silent).
+        """
+        peer = _peername(sock)
+        sock.settimeout(timeout_s)
+        _nodelay(sock)
+        try:
+            if self._server_ssl is not None:
+                sock = self._server_ssl.wrap_socket(sock, server_side=True)
+            server = ServerHandshake(self._secret, secrets.token_bytes(NONCE_BYTES))
+            sock.sendall(server.challenge(_receive(sock, HELLO_BYTES)))
+            sock.sendall(server.accept(_receive(sock, PROOF_BYTES)))
+        except ssl.SSLError as exc:  # before OSError: it is one
+            raise WireAuthError(reason="tls", peer=peer) from exc
+        except TimeoutError:
+            raise WireAuthError(reason="silent", peer=peer) from None
+        except WireAuthError as exc:
+            raise WireAuthError(reason=exc.fields["reason"], peer=peer) from None
+        except OSError:
+            raise WireAuthError(reason="closed", peer=peer) from None
+        return sock
+
     # --- the consumer's side -----------------------------------------------------------
 
     async def connect(
@@ -253,6 +295,31 @@ def peer_address(writer: asyncio.StreamWriter) -> str:
     if isinstance(name, tuple) and len(name) >= 2:
         return f"{name[0]}:{name[1]}"
     return str(name or "?")
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive and a user timeout on a wire connection (where the platform has them),
+    so a peer that vanished (its host gone, a half-open link) ends the connection in tens of
+    seconds."""
+    options = [
+        (socket.SOL_SOCKET, getattr(socket, "SO_KEEPALIVE", None), 1),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), KEEPALIVE_IDLE_S),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
+        (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), USER_TIMEOUT_S * 1000),
+    ]
+    for level, name, value in options:
+        if name is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(level, name, value)
+
+
+def _peername(sock: socket.socket) -> str:
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return "?"
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else str(name)
 
 
 def _nodelay(sock: socket.socket | None) -> None:

@@ -64,6 +64,14 @@ FIELDS: dict[str, dict[str, Any]] = {
         "found": "2.40.0",
     },
     "WireAuthError": {"reason": "bad_proof", "peer": "10.0.0.7:41234"},
+    "WireReadError": {
+        "handle": "00000000deadbeef:7",
+        "peer": "10.0.0.7:41235",
+        "start": 0,
+        "stop": 4194304,
+        "got": 65536,
+        "reason": "the bytes stopped coming (the sender closed the connection)",
+    },
     "TransferError": {"handle": "00000000deadbeef:7"},
     "TransferTimeout": {"handle": "00000000deadbeef:7", "timeout_s": 2.5, "bound": "caller"},
     "UcxError": {"operation": "ucp_get_nbx", "status": -3, "status_text": "Input/output error"},
@@ -227,6 +235,12 @@ def test_transfer_timeout_names_handle_bound_and_what_to_do() -> None:
 def test_ucx_error_names_operation_and_status() -> None:
     text = str(errors.UcxError(**FIELDS["UcxError"]))
     assert "ucp_get_nbx" in text and "-3" in text and "Input/output error" in text
+
+
+def test_a_failed_wire_read_names_the_range_the_peer_and_what_arrived() -> None:
+    text = str(errors.WireReadError(**FIELDS["WireReadError"]))
+    assert "[0, 4194304)" in text and "00000000deadbeef:7" in text and "10.0.0.7:41235" in text
+    assert "after 65536 bytes" in text and "stopped coming" in text
 
 
 def test_cause_is_not_needed_to_read_the_error() -> None:
