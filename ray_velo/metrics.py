@@ -106,8 +106,7 @@ _SERIES: dict[str, _Series] = {
     "path": _Series(
         "velo_rendezvous_rdma_path",
         "counter",
-        "Path decisions with their reason (reason=ok is the only path=rdma and path=wire "
-        "label).",
+        "Path decisions with their reason (reason=ok is the only path=rdma and path=wire label).",
         ("path", "reason"),
     ),
     "get_duration": _Series(
