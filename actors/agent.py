@@ -15,14 +15,21 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from ray_velo import metrics
-from ray_velo.actors.faults import FaultPlan, FaultyRdma, SlowPulls, fault_injection_off
+from ray_velo.actors.faults import (
+    FaultPlan,
+    FaultyRdma,
+    FaultyReader,
+    SlowPulls,
+    StalledSends,
+    fault_injection_off,
+)
 from ray_velo.actors.jobs import JobTable, JobWatch
 from ray_velo.actors.ticker import Ticker
 from ray_velo.agent.clock import Clock
 from ray_velo.agent.core import AgentCore
 from ray_velo.agent.node_memory import NodeMemory
 from ray_velo.config import VeloConfig
-from ray_velo.consumer.bulk import BulkReader
+from ray_velo.consumer.bulk import BulkReader, RangeReader
 from ray_velo.consumer.links import Blocking, inline
 from ray_velo.consumer.peers import PeerDirectory, Peers
 from ray_velo.consumer.service import ConsumerService
@@ -242,14 +249,20 @@ class RendezvousAgent:
         self.peers = PeerDirectory(
             rdma, _find_agent, _node_of_worker, node_id, _wire_address, wire_auth, _bulk_address
         )
-        self.bulk_reader = None if wire_auth is None else BulkReader(wire_auth)
+        self.bulk_reader: RangeReader | None = None
+        if wire_auth is not None:
+            reader = BulkReader(wire_auth, stall_s=config.wire_stall_s)
+            self.bulk_reader = reader if faults is None else FaultyReader(reader, faults)
         self.consumer = ConsumerService(
             core, peers or self.peers, owner, self.serve, self.bulk_reader
         )
         self.sender = WireSender(core)
         self.bulk: BulkServer | None = None
         if wire_auth is not None and bulk_host is not None:
-            self.bulk = BulkServer(bulk_host, wire_auth, self.sender.open)
+            opener = (
+                self.sender.open if faults is None else StalledSends(self.sender.open, faults).open
+            )
+            self.bulk = BulkServer(bulk_host, wire_auth, opener, send_stall_s=config.wire_stall_s)
             core.serves_wire = True
         if peers is None:
             core.tell_copy_ends = self.peers.tell_copy_ends
@@ -421,7 +434,12 @@ class RendezvousAgent:
         """
         if self._faults is None:
             raise fault_injection_off()
-        self._faults.arm(name, value, with_rdma=self.core.rdma is not None)
+        self._faults.arm(
+            name,
+            value,
+            with_rdma=self.core.rdma is not None,
+            with_reads=self.bulk_reader is not None,
+        )
 
     # --- entry points --------------------------------------------------------------
 

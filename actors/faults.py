@@ -1,5 +1,6 @@
 """Faults for ray_velo's fault tests, wrapped around an agent's real parts (its RDMA backend,
-its handlers) when the agent is built, never inside them, and only in an agent built with a
+its reader of other agents' bulk ports, its sends, its handlers) when the agent is built,
+never inside them, and only in an agent built with a
 :class:`FaultPlan` (``VeloConfig(fault_injection=True)``, or ``ray_velo.testing``'s
 ``AgentPair``); its ``inject_fault`` entry arms them (docs/architecture.md §12)."""
 
@@ -9,15 +10,28 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ray_velo.errors import ConfigError, UcxError
+from ray_velo.consumer.bulk import RangeReader
+from ray_velo.errors import ConfigError, UcxError, WireReadError
 from ray_velo.memory.pool import Registrar, Registration
 from ray_velo.protocol.descriptor import RdmaDescriptor
+from ray_velo.protocol.messages import ReadRequest
+from ray_velo.wire.bulk import Opener, Send
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from ray_velo.agent.backend import RdmaBackend
     from ray_velo.owner.service import OwnerService
 
-__all__ = ["FAULTS", "FaultPlan", "FaultyRdma", "SlowPulls", "fault_injection_off"]
+__all__ = [
+    "FAULTS",
+    "FaultPlan",
+    "FaultyRdma",
+    "FaultyReader",
+    "SlowPulls",
+    "StalledSends",
+    "fault_injection_off",
+]
 
 #: Every fault a plan knows (docs/architecture.md §12 says what each does).
 FAULTS = (
@@ -26,9 +40,12 @@ FAULTS = (
     "fail_gets",
     "copy_piece_pause_s",
     "slow_pulls_s",
+    "stall_sends_s",
 )
-#: The faults that act on the RDMA backend (the others on the owner's handlers).
-RDMA_FAULTS = frozenset(FAULTS) - {"slow_pulls_s"}
+#: The faults that act on an agent's GETs or reads (its RDMA backend, its bulk reader).
+GET_FAULTS = frozenset({"stall_before_get_s", "fail_gets", "copy_piece_pause_s"})
+#: The faults only an RDMA backend has.
+RDMA_FAULTS = frozenset({"corrupt_descriptors"})
 
 
 def fault_injection_off() -> ConfigError:
@@ -49,16 +66,19 @@ class FaultPlan:
         self._lock = threading.Lock()
         self._values: dict[str, float] = {}
 
-    def arm(self, name: str, value: float, *, with_rdma: bool) -> None:
-        """Arm fault ``name`` (a count or seconds; 0 disarms it).
+    def arm(self, name: str, value: float, *, with_rdma: bool, with_reads: bool = False) -> None:
+        """Arm fault ``name`` (a count or seconds; 0 disarms it). ``with_reads``: the agent
+        reads other agents' bulk ports (the GET faults act on those reads too).
 
         Raises:
-            ValueError: an unknown fault, or an RDMA fault on an agent without RDMA.
+            ValueError: an unknown fault, or one for a part the agent does not have.
         """
         if name not in FAULTS:
             raise ValueError(f"unknown fault {name!r} (known: {', '.join(FAULTS)})")
         if name in RDMA_FAULTS and not with_rdma:
             raise ValueError(f"fault {name!r} needs an agent with RDMA")
+        if name in GET_FAULTS and not (with_rdma or with_reads):
+            raise ValueError(f"fault {name!r} needs an agent with RDMA or the wire")
         with self._lock:
             self._values[name] = value
 
@@ -147,6 +167,69 @@ class FaultyRdma:
 
     def next_reap_due(self, now: float) -> float | None:
         return self.inner.next_reap_due(now)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyReader:
+    """A :class:`~ray_velo.consumer.bulk.RangeReader` with the GET faults: a fetch's first
+    read stalls ``stall_before_get_s``, a copy's later pieces land ``copy_piece_pause_s``
+    later, and the next ``fail_gets`` reads fail as a broken connection's would."""
+
+    def __init__(self, inner: RangeReader, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    def read(self, address: str, request: ReadRequest, dest: memoryview, timeout_s: float) -> None:
+        stall = self.plan.seconds("stall_before_get_s")
+        if stall > 0 and request.start == 0:  # once per fetch: its first read
+            time.sleep(stall)
+        pause = self.plan.seconds("copy_piece_pause_s")
+        if pause > 0 and request.start > 0:
+            time.sleep(pause)
+        if self.plan.take("fail_gets"):
+            raise WireReadError(
+                handle=str(request.handle),
+                peer=address,
+                start=request.start,
+                stop=request.stop,
+                got=0,
+                reason="injected failure",
+            )
+        self.inner.read(address, request, dest, timeout_s)
+
+    @property
+    def reads(self) -> int:
+        return self.inner.reads
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class StalledSends:
+    """The owner's sends over the wire, each stopping ``stall_sends_s`` after its first
+    piece: a sender that stalls mid-range, as its reader sees it."""
+
+    def __init__(self, inner: Opener, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    def open(self, request: ReadRequest) -> Send:
+        return _StalledSend(self.inner(request), self.plan)
+
+
+class _StalledSend:
+    def __init__(self, inner: Send, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    def pieces(self) -> Iterator[memoryview]:
+        for index, piece in enumerate(self.inner.pieces()):
+            stall = self.plan.seconds("stall_sends_s")
+            if index == 1 and stall > 0:
+                time.sleep(stall)
+            yield piece
 
     def close(self) -> None:
         self.inner.close()

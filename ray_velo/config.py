@@ -284,6 +284,9 @@ class VeloConfig:
         rdma: the RDMA path's configuration.
         plain_arena_bytes: size of each unregistered ("plain memory") arena.
         sweep_interval: period of the TTL / chunked-lease sweep while deadlines exist (s).
+        wire_stall_s: over the agents' wire, a read that receives no byte for this long fails
+            (its fetch falls back to chunks once), and a send that moves none is aborted (its
+            bytes go back): a peer that stalls or vanishes costs this much, never a hang.
         fault_injection: for ray_velo's own fault tests only: agents are built with their
             RDMA backend and chunk answers wrapped in faults their ``inject_fault`` entry
             arms (docs/architecture.md §12). Off (the default), no fault code runs in an
@@ -299,6 +302,7 @@ class VeloConfig:
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
     plain_arena_bytes: int = 64 * MiB
     sweep_interval: float = 0.1
+    wire_stall_s: float = 10.0
     fault_injection: bool = False
 
     def __post_init__(self) -> None:
@@ -310,6 +314,12 @@ class VeloConfig:
             )
         _positive_seconds_or_none(self, "staged_fetch_timeout")
         _positive_seconds_or_none(self, "sweep_interval")
+        if not _is_seconds(self.wire_stall_s) or self.wire_stall_s <= 0:
+            raise ConfigError(
+                field="wire_stall_s",
+                value=self.wire_stall_s,
+                rule="must be a positive, finite number of seconds",
+            )
         if self.staged_payload_max is not None:
             _positive(self, "staged_payload_max")
         if not self.shm_dir:

@@ -288,8 +288,10 @@ class NodeMemory:
     # --- upkeep ----------------------------------------------------------------------
 
     def _count_registrations(self) -> None:
-        """Count the arena registrations the pool made since the last look."""
-        assert self.pinned_pool is not None
+        """Count the arena registrations the pool made since the last look (none without
+        a registered pool)."""
+        if self.pinned_pool is None:
+            return
         total = self.pinned_pool.registrations_total.get("arena", 0)
         with self._seen_lock:
             new = total - self._registrations_seen

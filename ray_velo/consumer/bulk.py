@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from ray_velo.errors import ProtocolError, VeloError, WireReadError
 from ray_velo.protocol.bulk import HEADER, decode_sending, encode_read
@@ -26,7 +27,7 @@ from ray_velo.protocol.messages import ReadRequest
 from ray_velo.wire.auth import WireAuth, keep_alive
 from ray_velo.wire.bulk import abort
 
-__all__ = ["READ_STALL_S", "STRIPE_ALIGN", "BulkReader", "WireSource", "stripes"]
+__all__ = ["READ_STALL_S", "STRIPE_ALIGN", "BulkReader", "RangeReader", "WireSource", "stripes"]
 
 #: A read that receives no byte for this long fails (and the fetch falls back to chunks).
 READ_STALL_S = 10.0
@@ -46,6 +47,21 @@ class WireSource:
     handle: DataHandle
     lease_id: int
     copy: bool = False
+
+
+class RangeReader(Protocol):
+    """What a fetch reads bulk ranges with (:class:`BulkReader`, or a fault test's wrapper)."""
+
+    @property
+    def reads(self) -> int:
+        """Reads done."""
+        ...
+
+    def read(
+        self, address: str, request: ReadRequest, dest: memoryview, timeout_s: float
+    ) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def stripes(start: int, stop: int, count: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ray_velo.agent.clock import Clock, Deadline
 from ray_velo.agent.core import AgentCore
-from ray_velo.consumer.bulk import BulkReader, WireSource
+from ray_velo.consumer.bulk import RangeReader, WireSource
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire
 from ray_velo.consumer.peers import Peers
 from ray_velo.consumer.relay import (
@@ -695,7 +695,7 @@ class FetchDriver:
     """Runs fetches for the processes of this node."""
 
     def __init__(
-        self, core: AgentCore, peers: Peers, relays: RelayServer, bulk: BulkReader | None = None
+        self, core: AgentCore, peers: Peers, relays: RelayServer, bulk: RangeReader | None = None
     ) -> None:
         """``bulk``: this agent's reader of other agents' bulk ports (None: it reads no
         wire: UCX GETs or chunks only)."""

@@ -13,7 +13,7 @@ from typing import Any
 from ray_velo.agent import nonblocking
 from ray_velo.agent.clock import Deadline
 from ray_velo.agent.core import AgentCore
-from ray_velo.consumer.bulk import BulkReader
+from ray_velo.consumer.bulk import RangeReader
 from ray_velo.consumer.driver import FetchDriver
 from ray_velo.consumer.links import Blocking, OwnerLink, acquire, inline
 from ray_velo.consumer.peers import Peers
@@ -48,7 +48,7 @@ class ConsumerService:
         peers: Peers,
         owner: OwnerService,
         serve: Callable[[Entry], Any],
-        bulk: BulkReader | None = None,
+        bulk: RangeReader | None = None,
     ) -> None:
         """``bulk``: the reader of other agents' bulk ports (None: this agent reads no
         wire)."""
