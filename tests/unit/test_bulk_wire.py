@@ -7,6 +7,7 @@ come from a stand-in opener (the owner's real one is in test_pair_wire.py). No R
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
@@ -127,7 +128,7 @@ def test_a_striped_read_reassembles_over_several_connections(owner: Owner) -> No
 def test_stripes_cover_the_range_at_aligned_cuts(start: int, stop: int, count: int) -> None:
     parts = stripes(start, stop, count)
     assert parts[0][0] == start and parts[-1][1] == stop and len(parts) <= count
-    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
     assert all((a - start) % (1 << 20) == 0 for a, _ in parts)
 
 
