@@ -138,7 +138,7 @@ def test_three_tasks_taking_one_payload_at_once_move_its_bytes_once(velo: None) 
     assert crcs == [zlib.crc32(payload)] * 3
     after = fetches_on("node_b")
     moved = {path: after.get(path, 0) - before.get(path, 0) for path in after}
-    assert moved.get("rdma", 0) + moved.get("chunked", 0) == 1, moved
+    assert sum(moved.get(path, 0) for path in ("rdma", "wire", "chunked")) == 1, moved
     assert moved.get("cache", 0) == 2, moved
     with pytest.raises(rv.HandleNotFound):
         rv.metadata(handle)

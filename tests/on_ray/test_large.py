@@ -1,8 +1,10 @@
-"""Payloads above the spec's 1 GiB budget on a real two-node cluster, with the agents' own
-default budget (a quarter of the node's memory, at least 1 GiB): 1.5 GiB and 3 GiB cross
-node by one RDMA GET, the bytes right and the registered bytes never above the budget while
-they move; a payload that truly cannot be registered (a small budget set on the owner)
-still arrives, by chunks, counted with its reason."""
+"""Payloads above the spec's 1 GiB budget on a real two-node cluster: with the agents'
+defaults (UCX closed) 1.5 GiB and 3 GiB cross node over the wire, the bytes right and nothing
+registered for them; with UCX allowed over TCP (an operator's opt-in) and its own default
+budget (a quarter of the node's memory, at least 1 GiB) they cross by one RDMA GET, the
+registered bytes never above the budget while they move; a payload that truly cannot be
+registered (a small budget set on the owner) still arrives, over the wire, counted with its
+reason; and against a consumer that cannot read the owner's wire, by GETs through windows."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 import ray
 
 import ray_velo as rv
-from ray_velo.config import GiB, MiB, RdmaConfig, RdmaPoolConfig, VeloConfig
+from ray_velo.config import GiB, MiB, RdmaConfig, RdmaPoolConfig, UcxConfig, VeloConfig
+from ray_velo.wire.server import WIRE_DISABLE_ENV
 from tests.on_ray.conftest import (
     TEST_CONFIG,
     agent_info,
@@ -29,6 +32,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.multinode, pytest.mark.slow]
 
 #: The test config without its 96 MiB receiver limit, and with the node's own budget.
 LARGE = VeloConfig(chunk_size=16 * MiB, pulls_in_flight=4, plain_arena_bytes=16 * MiB)
+#: LARGE with UCX allowed over TCP.
+LARGE_UCX = LARGE.replace(rdma=RdmaConfig(ucx=UcxConfig(tcp=True)))
 
 
 @ray.remote(num_cpus=0, resources={"node_b": 1})
@@ -41,11 +46,13 @@ def pattern(nbytes: int) -> np.ndarray:
     return np.resize(np.arange(251, dtype=np.uint8), nbytes)
 
 
-@pytest.fixture()
-def large_agents(velo: None) -> Iterator[None]:
+@pytest.fixture(params=["wire", "ucx"])
+def large_agents(velo: None, request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both agents with the node's own budget, UCX closed (the default) or allowed over TCP;
+    the path the payload takes."""
     for node in ("node_a", "node_b"):
-        restart_agent(node, LARGE)
-    yield
+        restart_agent(node, LARGE if request.param == "wire" else LARGE_UCX)
+    yield "wire" if request.param == "wire" else "rdma"
     for node in ("node_a", "node_b"):
         restart_agent(node, TEST_CONFIG)
 
@@ -74,7 +81,9 @@ class RegisteredPeak:
 
 
 @pytest.mark.parametrize("size", [3 * GiB // 2, pytest.param(3 * GiB, id="3GiB")])
-def test_a_payload_above_the_specs_budget_crosses_by_one_get(large_agents: None, size: int) -> None:
+def test_a_payload_above_the_specs_budget_crosses_in_one_transfer(
+    large_agents: str, size: int
+) -> None:
     payload = pattern(size)
     crc = zlib.crc32(payload.data)
     before = path_counts("node_b")
@@ -82,20 +91,26 @@ def test_a_payload_above_the_specs_budget_crosses_by_one_get(large_agents: None,
         handle = rv.put(payload)
         del payload
         assert ray.get(crc_on_b.remote(handle), timeout=600) == crc
-    assert moved(before, path_counts("node_b")) == {"rdma/ok": 1}
+    assert moved(before, path_counts("node_b")) == {f"{large_agents}/ok": 1}
     for node, peak in registered.peak.items():
-        assert 0 < peak <= registered.budget[node], (node, peak, registered.budget)
+        if large_agents == "wire":  # nothing is registered without UCX
+            assert peak == 0, (node, peak)
+        else:
+            assert 0 < peak <= registered.budget[node], (node, peak, registered.budget)
     assert registered.budget["node_a"] >= 2 * GiB  # this machine: a quarter of 23 GiB
     wait_until_freed(handle)
 
 
-def test_a_payload_that_cannot_be_registered_still_arrives_by_chunks(velo: None) -> None:
-    """An owner whose budget (64 MiB) its first pooled arena fills: an 80 MiB pinned put
-    falls back to plain memory (counted ``chunked/budget``) and node b gets it by chunks."""
+def test_a_payload_that_cannot_be_registered_still_arrives_over_the_wire(velo: None) -> None:
+    """An owner with UCX (allowed over TCP) whose budget (64 MiB) its first pooled arena
+    fills: an 80 MiB pinned put falls back to plain memory (counted ``chunked/budget``) and
+    node b gets it over the wire, nothing registered for it."""
     small = VeloConfig(
         chunk_size=16 * MiB,
         plain_arena_bytes=16 * MiB,
-        rdma=RdmaConfig(pool=RdmaPoolConfig(registered_bytes_budget=64 * MiB)),
+        rdma=RdmaConfig(
+            pool=RdmaPoolConfig(registered_bytes_budget=64 * MiB), ucx=UcxConfig(tcp=True)
+        ),
     )
     restart_agent("node_a", small)
     try:
@@ -104,26 +119,32 @@ def test_a_payload_that_cannot_be_registered_still_arrives_by_chunks(velo: None)
         fetches_before = dict(agent_info("node_b")["metrics"]["velo_fetches_total"])
         handle = rv.put(payload)
         assert ray.get(crc_on_b.remote(handle), timeout=600) == zlib.crc32(payload.data)
-        assert moved(owner_before, path_counts("node_a")).get("chunked/budget") == 1
+        owner_moved = moved(owner_before, path_counts("node_a"))
+        assert owner_moved == {"chunked/budget": 1, "wire/ok": 1}, owner_moved
         fetches = agent_info("node_b")["metrics"]["velo_fetches_total"]
-        assert fetches.get("chunked", 0) == fetches_before.get("chunked", 0) + 1
+        assert fetches.get("wire", 0) == fetches_before.get("wire", 0) + 1
     finally:
         restart_agent("node_a", TEST_CONFIG)
 
 
-#: Budgets far below the payload on both nodes: the owner stages it in plain memory and the
-#: consumer's destination is plain too; both register 64 MiB windows of it as it moves.
+#: Budgets far below the payload on both nodes (UCX allowed over TCP): the owner stages it in
+#: plain memory and the consumer's destination is plain too; both register 64 MiB windows of
+#: it as it moves.
 SMALL_BUDGET = VeloConfig(
     chunk_size=16 * MiB,
     plain_arena_bytes=16 * MiB,
-    rdma=RdmaConfig(pool=RdmaPoolConfig(registered_bytes_budget=256 * MiB)),
+    rdma=RdmaConfig(
+        pool=RdmaPoolConfig(registered_bytes_budget=256 * MiB), ucx=UcxConfig(tcp=True)
+    ),
 )
 
 
 @pytest.fixture()
 def small_budget_agents(velo: None) -> Iterator[None]:
-    for node in ("node_a", "node_b"):
-        restart_agent(node, SMALL_BUDGET)
+    """The owner serves no wire (``VELO_PEER_WIRE_DISABLE=1``: an older agent, or one an
+    operator closed), so its plain slot can only be read by GETs through windows."""
+    restart_agent("node_a", SMALL_BUDGET, env={WIRE_DISABLE_ENV: "1"})
+    restart_agent("node_b", SMALL_BUDGET)
     yield
     for node in ("node_a", "node_b"):
         restart_agent(node, TEST_CONFIG)

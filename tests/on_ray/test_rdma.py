@@ -1,4 +1,7 @@
-"""The RDMA path between two agents on a real two-node cluster (UCX over cma/tcp here)."""
+"""The RDMA path between two agents on a real two-node cluster: UCX over cma and tcp here,
+which an operator allows on a network they trust (``UcxConfig(tcp=True)``, as
+``VELO_UCX_TCP=1``): this module's agents are started so, and the suite's default agents
+(UCX closed, payloads over the wire) are back after it."""
 
 from __future__ import annotations
 
@@ -6,13 +9,14 @@ import dataclasses
 import os
 import time
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import ray
 
 import ray_velo as rv
-from ray_velo.actors.directory import ensure_agent, register_all_peers
+from ray_velo.actors.directory import ensure_agent
 from ray_velo.client import session
 from ray_velo.config import MiB, RdmaConfig, UcxConfig
 from ray_velo.ucx.loader import ucx_available
@@ -31,6 +35,24 @@ if not ucx_available()[0]:
     pytest.skip(f"UCX unavailable: {ucx_available()[1]}", allow_module_level=True)
 
 ON_B = {"resources": {"node_b": 1}, "num_cpus": 0}
+#: The suite's config with UCX allowed over TCP: the opt-in for a trusted network.
+TCP_CONFIG = dataclasses.replace(
+    TEST_CONFIG,
+    rdma=dataclasses.replace(
+        TEST_CONFIG.rdma, ucx=dataclasses.replace(TEST_CONFIG.rdma.ucx, tcp=True)
+    ),
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ucx_over_tcp(cluster: object) -> Iterator[None]:
+    """Both nodes' agents with UCX allowed over TCP for this module; the suite's after."""
+    for node in ("node_a", "node_b"):
+        restart_agent(node, TCP_CONFIG)
+    assert all(agent_info(n)["rdma"] for n in ("node_a", "node_b"))
+    yield
+    for node in ("node_a", "node_b"):
+        restart_agent(node, TEST_CONFIG)
 
 
 @ray.remote(**ON_B)
@@ -111,7 +133,7 @@ def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
     nothing retries: node a's reaper force-releases the lease between 1 and 1.5 lease
     timeouts (2 s here) after the last renewal; the consuming fetch's reference goes with
     it."""
-    lease_timeout = TEST_CONFIG.rdma.rendezvous.lease_timeout
+    lease_timeout = TCP_CONFIG.rdma.rendezvous.lease_timeout
     ray.get(ensure_agent(node_ids()["node_b"]).inject_fault.remote("stall_before_get_s", 60.0))
     fetcher = Fetcher.remote()
     fetcher_pid = ray.get(fetcher.pid.remote())
@@ -130,8 +152,7 @@ def test_consumer_agent_killed_mid_get_has_its_lease_reaped(velo: None) -> None:
     assert 0.5 * lease_timeout - 0.2 <= elapsed <= 1.5 * lease_timeout + 0.3
     with pytest.raises(rv.HandleNotFound, match="reaped"):
         rv.metadata(handle)
-    ray.get(ensure_agent(node_ids()["node_b"]).ping.remote(), timeout=60)  # node b's next
-    register_all_peers()
+    restart_agent("node_b", TCP_CONFIG)  # node b's next agent
 
 
 def test_consumer_agent_restarted_mid_get_supersedes_its_old_lease(velo: None) -> None:
@@ -142,10 +163,10 @@ def test_consumer_agent_restarted_mid_get_supersedes_its_old_lease(velo: None) -
     The owner's leases last 30 s here: the supersede must come before the reaper, and a
     fresh agent's start on this 2-core machine can take longer than the suite's 2 s."""
     patient = dataclasses.replace(
-        TEST_CONFIG,
+        TCP_CONFIG,
         rdma=dataclasses.replace(
-            TEST_CONFIG.rdma,
-            rendezvous=dataclasses.replace(TEST_CONFIG.rdma.rendezvous, lease_timeout=30.0),
+            TCP_CONFIG.rdma,
+            rendezvous=dataclasses.replace(TCP_CONFIG.rdma.rendezvous, lease_timeout=30.0),
         ),
     )
     restart_agent("node_a", config=patient)
@@ -156,40 +177,39 @@ def test_consumer_agent_restarted_mid_get_supersedes_its_old_lease(velo: None) -
         ref = crc_on_b.remote(handle)
         _wait_for_a_lease()
         os.kill(agent_info("node_b")["pid"], 9)
+        # the retry's fresh agent (the cluster's config: UCX closed) reads over the wire
         assert ray.get(ref, timeout=60) == zlib.crc32(pattern(MiB))
         assert agent_info("node_a")["counters"]["leases_superseded"] == before + 1
         with pytest.raises(rv.HandleNotFound, match="released by its last consumer"):
             rv.metadata(handle)
-        register_all_peers()
     finally:
-        restart_agent("node_a")
+        restart_agent("node_a", TCP_CONFIG)
+        restart_agent("node_b", TCP_CONFIG)
 
 
-def test_owner_kill_switch_serves_chunks(velo: None) -> None:
+def test_owner_kill_switch_serves_no_get(velo: None) -> None:
     """VELO_RDMA_RENDEZVOUS_DISABLE=1 on the owner: it stages pinned requests in plain
-    memory (kill_switch at staging) and answers every acquire chunked (kill_switch)."""
-    restart_agent("node_a", env={"VELO_RDMA_RENDEZVOUS_DISABLE": "1"})
+    memory (kill_switch at staging) and answers no acquire with a descriptor; the kill
+    switch is the RDMA path's, so the bytes cross over the wire (chunks where that is off
+    too)."""
+    restart_agent("node_a", TCP_CONFIG, env={"VELO_RDMA_RENDEZVOUS_DISABLE": "1"})
     try:
         payload = pattern(4 * MiB)
         a0, b0 = path_counts("node_a"), path_counts("node_b")
         handle = rv.put(payload)
         assert not rv.metadata(handle).pinned
         assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
-        assert moved(a0, path_counts("node_a")) == {"chunked/kill_switch": 2}, (
-            agent_info("node_b")["rdma"],
-            agent_info("node_b")["rdma_enabled"],
-            moved(b0, path_counts("node_b")),
-        )
-        assert "rdma/ok" not in moved(b0, path_counts("node_b"))
+        assert moved(a0, path_counts("node_a")) == {"chunked/kill_switch": 1, "wire/ok": 1}
+        assert moved(b0, path_counts("node_b")) == {"wire/ok": 1}
     finally:
-        restart_agent("node_a")
+        restart_agent("node_a", TCP_CONFIG)
 
 
-def test_no_ucx_is_not_configured_and_still_correct(velo: None) -> None:
-    """A consumer node without UCX (simulated by config) offers nothing: it records
-    not_configured, the owner no_offer, and the bytes still arrive by chunks."""
+def test_a_consumer_without_ucx_reads_over_the_wire(velo: None) -> None:
+    """A consumer node without UCX (simulated by config) offers no GET, only the wire: the
+    owner sends the bytes over it."""
     no_ucx = dataclasses.replace(
-        TEST_CONFIG, rdma=dataclasses.replace(TEST_CONFIG.rdma, ucx=UcxConfig(enabled=False))
+        TCP_CONFIG, rdma=dataclasses.replace(TCP_CONFIG.rdma, ucx=UcxConfig(enabled=False))
     )
     assert isinstance(no_ucx.rdma, RdmaConfig)
     restart_agent("node_b", config=no_ucx)
@@ -199,10 +219,10 @@ def test_no_ucx_is_not_configured_and_still_correct(velo: None) -> None:
         a0, b0 = path_counts("node_a"), path_counts("node_b")
         handle = rv.put(payload)
         assert ray.get(crc_on_b.remote(handle)) == zlib.crc32(payload)
-        assert moved(b0, path_counts("node_b")) == {"chunked/not_configured": 1}
-        assert moved(a0, path_counts("node_a")) == {"chunked/no_offer": 1}
+        assert moved(b0, path_counts("node_b")) == {"wire/ok": 1}
+        assert moved(a0, path_counts("node_a")) == {"wire/ok": 1}
     finally:
-        restart_agent("node_b")
+        restart_agent("node_b", TCP_CONFIG)
 
 
 def test_idle_agents_burn_almost_no_cpu(velo: None) -> None:
@@ -243,8 +263,8 @@ def test_idle_endpoint_reaper_closes_unused_endpoints(velo: None) -> None:
     """ep_idle_timeout (0.5 s, the floor): after a GET the consumer's endpoint to the owner
     closes within timeout + scan period + slack; the next fetch wires up a new one."""
     reaping = dataclasses.replace(
-        TEST_CONFIG,
-        rdma=dataclasses.replace(TEST_CONFIG.rdma, ucx=UcxConfig(ep_idle_timeout=0.1)),
+        TCP_CONFIG,
+        rdma=dataclasses.replace(TCP_CONFIG.rdma, ucx=UcxConfig(ep_idle_timeout=0.1, tcp=True)),
     )
     assert reaping.rdma.ucx.ep_idle_timeout == 0.5  # raised to the floor
     restart_agent("node_b", config=reaping)
@@ -264,7 +284,7 @@ def test_idle_endpoint_reaper_closes_unused_endpoints(velo: None) -> None:
         assert ray.get(crc_on_b.remote(rv.put(payload))) == zlib.crc32(payload)
         assert moved(b0, path_counts("node_b")) == {"rdma/ok": 2}
     finally:
-        restart_agent("node_b")
+        restart_agent("node_b", TCP_CONFIG)
 
 
 def test_spec_series_reach_rays_prometheus_export(velo: None) -> None:

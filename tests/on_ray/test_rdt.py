@@ -117,20 +117,21 @@ def test_rv_init_registers_both_transports(velo: None) -> None:
 
 def test_torch_tensors_actor_to_actor_across_nodes(velo: None) -> None:
     """An actor on node a returns two tensors (float32 and bfloat16) with
-    tensor_transport="VELO"; an actor on node b receives them over UCX, bytes verified."""
+    tensor_transport="VELO"; an actor on node b receives them over the agents' wire (the
+    default between nodes: UCX is closed), bytes verified."""
     source, sink = Source.remote(), Sink.remote()
     before = path_counts("node_b")
     ref = source.tensors.remote(2 * MiB // 4)
     got = ray.get(sink.crcs.remote(ref), timeout=120)
     assert got == [crc(t) for t in expected_tensors(2 * MiB // 4)]
-    assert moved(before, path_counts("node_b")).get("rdma/ok", 0) >= 1
+    assert moved(before, path_counts("node_b")).get("wire/ok", 0) >= 1
     del ref
     assert wait_for_slots("node_a", 0) == 0
 
 
 def test_a_streamed_tensor_arrives_whole_on_another_node_and_in_the_driver(velo: None) -> None:
     """48 MiB (above the 8 MiB streaming threshold): the source's thread copies it while the
-    receiver on node b GETs what is copied; the receiver gets every byte, as does a reader
+    receiver on node b is sent what is copied; the receiver gets every byte, as does a reader
     on the source's node (the driver on node a waits for the whole copy), and a second
     receiver of the same ObjectRef."""
     source, sink, other = Source.remote(), Sink.remote(), Sink.remote()
@@ -139,7 +140,7 @@ def test_a_streamed_tensor_arrives_whole_on_another_node_and_in_the_driver(velo:
     before = path_counts("node_b")
     ref = source.tensors.remote(n, seed=5)
     assert ray.get([sink.crcs.remote(ref), other.crcs.remote(ref)], timeout=120) == [expected] * 2
-    assert moved(before, path_counts("node_b")).get("rdma/ok", 0) >= 1
+    assert moved(before, path_counts("node_b")).get("wire/ok", 0) >= 1
     assert [crc(t) for t in ray.get(ref, timeout=120)] == expected
     arrays = source.array.remote(24 * MiB, seed=6)
     want = np.random.default_rng(6).integers(0, 255, 24 * MiB, dtype=np.uint8)

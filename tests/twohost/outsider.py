@@ -8,7 +8,11 @@
   as its first bytes; then again after a handshake with a secret of its own, and after
   replaying a real agent's recorded handshake (``replay``: hello and proof, hex);
 * a handshake held half-open, timed until the agent closes it;
-* the agent's Unix socket as another user (uid 65534, nobody).
+* the agent's Unix socket as another user (uid 65534, nobody);
+* every TCP port the agent's process listens on (found in /proc, as a scan would find them):
+  what each volunteers, a bulk read of the payload as its first bytes, and one after a
+  handshake with a secret of its own; none may carry a byte of the payload (``marker``);
+* UCX: whether the agent runs a UCX worker at all (an address the driver learnt for it).
 
 It prints one ``OUTSIDER <json>`` line: for each attempt, what came back (``closed``: the
 connection closed with no answer frame; ``answered``: an answer frame; ``denied``...).
@@ -40,8 +44,10 @@ from ray_velo.protocol import (
     WindowRequest,
     encode,
 )
+from ray_velo.protocol.bulk import encode_read
 from ray_velo.protocol.frames import WIRE_METHODS, encode_request
 from ray_velo.protocol.handshake import NONCE_BYTES, ClientHandshake
+from ray_velo.protocol.messages import ReadRequest
 from tests.strangers import NOBODY, unix_socket_as, wire_outcome
 
 PREFIX = "OUTSIDER "
@@ -99,6 +105,52 @@ def half_open(address: str) -> dict[str, Any]:
         return {"outcome": result, "closed_after_s": round(time.monotonic() - started, 2)}
 
 
+def listening_ports(pid: int) -> list[tuple[str, int]]:
+    """The TCP ports process ``pid`` listens on: (bound address, port), from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes and fields[3] == "0A":  # LISTEN
+                    address, port = fields[1].split(":")
+                    ip = ".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0))
+                    ports.append((ip if width == 8 else "::", int(port, 16)))
+    return sorted(set(ports))
+
+
+def probe_port(host: str, port: int, read: bytes, marker: bytes) -> dict[str, Any]:
+    """What one port gives a stranger: what it volunteers, a bulk read of the payload as
+    the first bytes, the same after a handshake with a secret of its own."""
+    outcome: dict[str, Any] = {}
+    own = ClientHandshake(os.urandom(32), os.urandom(NONCE_BYTES)).hello() + os.urandom(32)
+    for name, first in (
+        ("volunteered", b""),
+        ("read", read),
+        ("read_after_own_secret", own + read),
+    ):
+        got = b""
+        try:
+            with socket.create_connection((host, port), timeout=10) as sock:
+                if first:
+                    sock.sendall(first)
+                sock.settimeout(3.0)
+                while len(got) < (1 << 20) and (chunk := sock.recv(65536)):
+                    got += chunk
+        except (OSError, TimeoutError):
+            pass
+        outcome[name] = {"bytes": len(got), "payload": marker in got}
+    return outcome
+
+
 def ray_access(address: str) -> str:
     """Whether Ray itself lets this process in."""
     import ray
@@ -125,6 +177,16 @@ def main() -> int:
         "half_open": half_open(spec["wire"]),
         "unix_socket_as_nobody": unix_socket_as(NOBODY, spec["socket"], b"\x00\x00\x00\x05hello"),
         "ray": ray_access(spec["head"]),
+        "ucx": "worker" if spec["ucx_address"] else "none",
+    }
+    marker = bytes.fromhex(spec["marker"])
+    read = encode_read(1, ReadRequest(handle, spec["lease"], 0, spec["nbytes"]))
+    host = spec["wire"].rpartition(":")[0]
+    result["ports"] = {
+        f"{bound}:{port}": probe_port(host, port, read, marker)
+        if bound in ("0.0.0.0", "::", host)
+        else "loopback only"
+        for bound, port in listening_ports(spec["pid"])
     }
     sys.stdout.write(PREFIX + json.dumps(result) + "\n")
     return 0

@@ -37,8 +37,10 @@ from ray_velo.protocol.handshake import ACCEPTED_BYTES, CHALLENGE_BYTES, ClientH
 from ray_velo.testbed import TestbedInfo, connect
 
 RESULT_PREFIX = "RESULT "
-CONFIG = VeloConfig(staged_payload_max=512 * MiB, fault_injection=True)
+CONFIG = VeloConfig(staged_payload_max=512 * MiB, fault_injection=True, wire_stall_s=2.0)
 KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
+#: The operator's opt-in: UCX may use TCP between the hosts (a network they trust).
+UCX_TCP = {"VELO_UCX_TCP": "1"}
 
 
 def _array(nbytes: int, seed: int = 0) -> np.ndarray[Any, Any]:
@@ -117,12 +119,15 @@ def _transfer_all(info: TestbedInfo, cases: list[tuple[str, int]]) -> dict[str, 
         got, type_name = ray.get(consumer.fetch.remote(handle))
         checked.append({"kind": kind, "nbytes": nbytes, "ok": got == crc, "type": type_name})
     agent = ray.get(consumer.agent.remote())
+    owner = ray.get(producer.agent.remote())
     return {
         "checked": checked,
         "consumer_paths": _moved(consumer_before, _paths(consumer)),
         "owner_paths": _moved(owner_before, _paths(producer)),
         "transports": agent["ucx_transports"],
-        "owner_live_slots": ray.get(producer.agent.remote())["live_slots"],
+        "consumer_ucx": agent["rdma"],
+        "owner_bulk_bytes_sent": owner["bulk_bytes_sent"],
+        "owner_live_slots": owner["live_slots"],
     }
 
 
@@ -167,10 +172,22 @@ def pipeline(info: TestbedInfo) -> dict[str, Any]:
     }
 
 
-def kill_switch(info: TestbedInfo) -> dict[str, Any]:
-    """VELO_RDMA_RENDEZVOUS_DISABLE=1 on both agents: the chunked path, bytes still right."""
+def ucx_tcp(info: TestbedInfo) -> dict[str, Any]:
+    """Both agents with the operator's opt-in (VELO_UCX_TCP=1): UCX over TCP moves the
+    bytes, one GET each, as before the wire carried them."""
     nodes = alive_node_ids()
-    _restart(nodes, KILL_SWITCH)
+    _restart(nodes, UCX_TCP)
+    try:
+        return _transfer_all(info, [("array", 300 << 10), ("array", 24 * MiB)])
+    finally:
+        _restart(nodes, None)
+
+
+def kill_switch(info: TestbedInfo) -> dict[str, Any]:
+    """VELO_RDMA_RENDEZVOUS_DISABLE=1 on both agents (UCX over TCP allowed): no GET; the
+    bytes cross over the wire, still right."""
+    nodes = alive_node_ids()
+    _restart(nodes, {**KILL_SWITCH, **UCX_TCP})
     try:
         return _transfer_all(info, [("array", 40 * MiB), ("bytes", 1 * MiB)])
     finally:
@@ -178,14 +195,34 @@ def kill_switch(info: TestbedInfo) -> dict[str, Any]:
 
 
 def unreachable(info: TestbedInfo) -> dict[str, Any]:
-    """Host b's UCX is told to use only `lo` (UCX_NET_DEVICES=lo): it cannot reach host a,
-    so its GET fails and the fetch falls back to chunks, once."""
-    node_b = _node_of(info, 1)
-    _restart([node_b], {"UCX_NET_DEVICES": "lo"})
+    """Host b's UCX (allowed over TCP) is told to use only `lo` (UCX_NET_DEVICES=lo): no
+    transport of it reaches host a, so host b offers no GET and reads over the wire."""
+    nodes, node_b = alive_node_ids(), _node_of(info, 1)
+    _restart(nodes, UCX_TCP)
+    _restart([node_b], {**UCX_TCP, "UCX_NET_DEVICES": "lo"})
     try:
         return _transfer_all(info, [("array", 24 * MiB)])
     finally:
-        _restart([node_b], None)
+        _restart(nodes, None)
+
+
+def stalled_sender(info: TestbedInfo) -> dict[str, Any]:
+    """Host a's sends stop after their first piece, longer than host b's read may wait
+    (wire_stall_s, 2 s here): the read fails within that bound, the fetch falls back to
+    chunks once, the bytes are right and nothing is left."""
+    producer = _on(info, 0)
+    agent_a = find_agent(_node_of(info, 0))
+    ray.get(agent_a.inject_fault.remote("stall_sends_s", 6.0))
+    try:
+        started = time.monotonic()
+        result = _transfer_all(info, [("array", 24 * MiB)])
+        result["seconds"] = time.monotonic() - started
+    finally:
+        ray.get(agent_a.inject_fault.remote("stall_sends_s", 0.0))
+    _wait(
+        "the stalled send ends", lambda: ray.get(producer.agent.remote())["bulk_sends_stopped"] >= 1
+    )
+    return result
 
 
 def _wait(what: str, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
@@ -198,7 +235,7 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float = 60.0) -> None
 
 def broadcast(info: TestbedInfo) -> dict[str, Any]:
     """One 64 MiB payload from host a to hosts b and c (two consumers): host c, starting once
-    host a granted host b its GET, is pointed at host b's copy and reads it as it fills (host
+    host a granted host b its lease, is pointed at host b's copy and reads it as it fills (host
     b pauses 1 s after each 16 MiB piece, so the reads provably overlap); when both consumed
     it, the owner ends the handle and both copies go."""
     owner, on_b, on_c = _on(info, 0), _on(info, 1), _on(info, 2)
@@ -230,7 +267,8 @@ def broadcast(info: TestbedInfo) -> dict[str, Any]:
     return {
         "ok": got == [crc, crc],
         "c_relayed": after_c["metrics"][relayed] - agents["c"]["metrics"][relayed],
-        "transports": after_c["ucx_transports"],
+        "b_bulk_bytes_sent": ray.get(on_b.agent.remote())["bulk_bytes_sent"]
+        - agents["b"]["bulk_bytes_sent"],
         "owner_copy_sources": ray.get(owner.agent.remote())["copy_sources"],
     }
 
@@ -279,12 +317,20 @@ def outsider(info: TestbedInfo) -> dict[str, Any]:
     handle, crc = ray.get(owner.put.remote("array", 8 * MiB, 11))
     agent_b = ray.get(owner.agent.remote())
     before = agent_b["metrics"]["velo_wire_auth_failures_total"]
+    node_b = _node_of(info, 1)
+    _, ucx_address = ray.get(find_agent(node_b).ucx_address.remote())
     spec = {
         "handle": [handle.worker_id, handle.slot_id],
         "wire": agent_b["wire"],
         "socket": agent_b["socket"],
         "head": info.address,
         "replay": _recorded_handshake(agent_b["wire"]).hex(),
+        "pid": agent_b["pid"],
+        "ports": {"wire": agent_b["wire"], "bulk": agent_b["bulk"]},
+        "ucx_address": (ucx_address or b"").hex(),
+        "lease": 1,  # a guess: lease ids are capabilities, none is known outside
+        "nbytes": 8 * MiB,
+        "marker": _array(8 * MiB, 11)[4096:4160].tobytes().hex(),
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
     with tempfile.TemporaryDirectory() as home:  # no ~/.ray/auth_token to fall back on
@@ -304,6 +350,7 @@ def outsider(info: TestbedInfo) -> dict[str, Any]:
     after = _auth_failures(owner)
     return {
         "outsider": json.loads(lines[0][len("OUTSIDER ") :]),
+        "ours": [agent_b["wire"].rpartition(":")[2], agent_b["bulk"].rpartition(":")[2]],
         "wire_tls": agent_b["wire_tls"],
         "refcount_after_outsider": refcount,
         "fetched_ok": got == crc,
@@ -423,7 +470,18 @@ def tls(info: TestbedInfo) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[TestbedInfo], dict[str, Any]]] = {
     f.__name__: f
-    for f in (put_fetch, pipeline, kill_switch, unreachable, broadcast, outsider, silent_flood, tls)
+    for f in (
+        put_fetch,
+        pipeline,
+        ucx_tcp,
+        kill_switch,
+        unreachable,
+        stalled_sender,
+        broadcast,
+        outsider,
+        silent_flood,
+        tls,
+    )
 }
 
 

@@ -27,8 +27,12 @@ def test_an_outsider_without_the_token_gets_nothing(testbed: Testbed) -> None:
     """A process on host a without Ray's token (no RAY_AUTH_TOKEN, no ~/.ray/auth_token)
     sends every wire method with a real handle of host b's agent, before any handshake,
     after a handshake with a secret of its own, and after replaying a real agent's recorded
-    handshake; holds a handshake half open; connects to b's Unix socket as uid nobody; and
-    tries Ray itself. Each is refused or closed, with no answer; the handle keeps its
+    handshake; holds a handshake half open; connects to b's Unix socket as uid nobody;
+    tries Ray itself; and scans every TCP port b's agent process listens on (found in
+    /proc), asking each for the payload's bytes before and after a handshake of its own.
+    Each is refused or closed, with no answer: no port gives a byte of the payload, ours
+    close unanswered, and the agent runs no UCX worker (UCX's TCP transport, which would
+    serve any address of the process to anyone, is closed by default). The handle keeps its
     reference; the legitimate consumer then fetches the right bytes; b counted the
     failures."""
     result = run_scenario(testbed, "outsider")
@@ -41,13 +45,24 @@ def test_an_outsider_without_the_token_gets_nothing(testbed: Testbed) -> None:
     assert seen["half_open"]["closed_after_s"] < 4.0  # the 2 s bound, on a loaded machine
     assert seen["unix_socket_as_nobody"] == "denied"
     assert seen["ray"].startswith("refused"), seen["ray"]
+    assert seen["ucx"] == "none"
+    ports = seen["ports"]
+    ours = [p for p in ports if p.rpartition(":")[2] in result["ours"]]
+    assert len(ours) == 2, (ports, result["ours"])  # the scan found the wire and bulk ports
+    for port, outcome in ports.items():
+        if outcome == "loopback only":
+            continue
+        assert not any(o["payload"] for o in outcome.values()), (port, outcome)
+        if port in ours:
+            assert all(o["bytes"] <= 68 for o in outcome.values()), (port, outcome)
     assert result["refcount_after_outsider"] == 1, "an outsider's release must not count"
     assert result["fetched_ok"]
     failures = result["auth_failures"]
     # 10 frames not a hello (malformed, or silent when shorter than one), two bad proofs,
-    # one half-open handshake
-    assert failures.get("bad_proof") == 2, failures
-    assert failures.get("malformed", 0) + failures.get("silent", 0) == len(WIRE_METHODS) + 1
+    # one half-open handshake; on the two ports of ours the scan found, two connections
+    # that said nothing, two reads not a hello, two bad proofs
+    assert failures.get("bad_proof") == 2 + 2, failures
+    assert failures.get("malformed", 0) + failures.get("silent", 0) == len(WIRE_METHODS) + 1 + 4
     assert result["owner_live_slots"] == 0
 
 

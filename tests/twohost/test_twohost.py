@@ -1,4 +1,6 @@
-"""ray_velo across two emulated hosts: UCX over TCP on a veth link, as on Ethernet clusters."""
+"""ray_velo across two emulated hosts on a veth link, as on Ethernet clusters: by default the
+owner sends the bytes over the agents' authenticated wire (UCX is closed: its TCP transport
+authenticates no one); with the operator's opt-in, UCX over TCP GETs them."""
 
 from __future__ import annotations
 
@@ -13,15 +15,28 @@ from tests.twohost.conftest import run_scenario
 pytestmark = [pytest.mark.twohost, pytest.mark.slow]
 
 
-def test_put_fetch_crosses_the_link_over_tcp(testbed: Testbed) -> None:
+def test_put_fetch_crosses_the_link_over_the_wire(testbed: Testbed) -> None:
     """A producer on host a stages arrays (300 KiB to 96 MiB) and bytes; a consumer on host b
-    fetches each with one UCX GET over TCP on the hosts' link; every byte arrives right and
-    the owner keeps nothing afterwards."""
+    fetches each, host a sending it over its bulk port (no UCX runs: the testbed's
+    UCX_TLS=tcp names only what an agent leaves out); every byte arrives right and the owner
+    keeps nothing afterwards."""
     result = run_scenario(testbed, "put_fetch")
     assert all(c["ok"] for c in result["checked"]), result["checked"]
     assert [c["type"] for c in result["checked"]] == ["ndarray"] * 3 + ["bytes"]
-    assert result["consumer_paths"] == {"rdma/ok": 4}
-    assert result["owner_paths"] == {"rdma/ok": 4}
+    assert result["consumer_paths"] == {"wire/ok": 4}
+    assert result["owner_paths"] == {"wire/ok": 4}
+    assert result["consumer_ucx"] is False and result["transports"] == {}
+    sent = sum(c["nbytes"] for c in result["checked"])
+    assert result["owner_bulk_bytes_sent"] >= sent
+    assert result["owner_live_slots"] == 0
+
+
+def test_with_the_opt_in_ucx_over_tcp_gets_the_bytes(testbed: Testbed) -> None:
+    """Both agents restarted with VELO_UCX_TCP=1 (a network the operator trusts): one UCX
+    GET over TCP on the hosts' link per payload, as before the wire carried them."""
+    result = run_scenario(testbed, "ucx_tcp")
+    assert all(c["ok"] for c in result["checked"]), result["checked"]
+    assert result["consumer_paths"] == {"rdma/ok": 2}
     lanes = {lane for node in result["transports"].values() for lane in node}
     assert lanes == {"tcp/veth0"}, "the bytes must have crossed the link over TCP"
     assert result["owner_live_slots"] == 0
@@ -30,31 +45,47 @@ def test_put_fetch_crosses_the_link_over_tcp(testbed: Testbed) -> None:
 def test_decorated_pipeline_across_hosts(testbed: Testbed) -> None:
     """@rv.transfer: an actor on host a returns a 32 MiB array to a task on host b, and the
     driver sends a task on b a dict of two arrays; the bodies see the right bytes, and each
-    call's payloads crossed by one UCX GET (the dict's two arrays packed in one slot)."""
+    call's payloads crossed in one transfer (the dict's two arrays packed in one slot)."""
     result = run_scenario(testbed, "pipeline")
     assert result["from_actor_ok"] and result["dict_ok"]
-    assert result["consumer_paths"] == {"rdma/ok": 2}
+    assert result["consumer_paths"] == {"wire/ok": 2}
 
 
-def test_kill_switch_sends_everything_by_chunks(testbed: Testbed) -> None:
-    """Both agents restarted with VELO_RDMA_RENDEZVOUS_DISABLE=1: payloads are staged in
-    plain memory and pulled in chunks; the path counters say why on both sides."""
+def test_kill_switch_turns_the_gets_off_not_the_wire(testbed: Testbed) -> None:
+    """Both agents restarted with VELO_RDMA_RENDEZVOUS_DISABLE=1 (and UCX allowed over TCP):
+    payloads are staged in plain memory (the owner counts its switch at staging) and no
+    GET runs; the wire, which the switch does not cover, carries them."""
     result = run_scenario(testbed, "kill_switch")
     assert all(c["ok"] for c in result["checked"]), result["checked"]
-    assert result["consumer_paths"] == {"chunked/kill_switch": 2}
-    # the owner counts its switch at staging; the consumer's switch means no offer
-    assert result["owner_paths"] == {"chunked/kill_switch": 2, "chunked/no_offer": 2}
+    assert result["consumer_paths"] == {"wire/ok": 2}
+    assert result["owner_paths"] == {"chunked/kill_switch": 2, "wire/ok": 2}
     assert result["owner_live_slots"] == 0
 
 
-def test_consumer_that_cannot_reach_the_owner_falls_back_once(testbed: Testbed) -> None:
-    """Host b's UCX is limited to `lo` (a wrong UCX_NET_DEVICES): its GET to host a fails,
-    the fetch detaches, acquires again with no offer and pulls chunks, exactly once; the
-    bytes are right and the reason is counted."""
+def test_a_consumer_whose_ucx_cannot_reach_the_owner_reads_over_the_wire(
+    testbed: Testbed,
+) -> None:
+    """Host b's UCX (allowed over TCP) is limited to `lo` (a wrong UCX_NET_DEVICES): no
+    transport of it reaches host a, so host b never offers a GET (no failed one to fall
+    back from) and reads over the wire."""
     result = run_scenario(testbed, "unreachable")
     assert all(c["ok"] for c in result["checked"]), result["checked"]
+    assert result["consumer_paths"] == {"wire/ok": 1}
+    assert result["owner_paths"] == {"wire/ok": 1}
+    assert result["owner_live_slots"] == 0
+
+
+def test_a_sender_that_stalls_mid_range_ends_in_the_readers_bound_and_one_fallback(
+    testbed: Testbed,
+) -> None:
+    """Host a's send stops after its first piece for longer than host b waits for a byte
+    (2 s): host b's read fails, its fetch detaches and pulls chunks, once; the bytes are
+    right, the stalled send ends, nothing is left."""
+    result = run_scenario(testbed, "stalled_sender")
+    assert all(c["ok"] for c in result["checked"]), result["checked"]
     assert result["consumer_paths"] == {"chunked/get_failed": 1}
-    assert result["owner_paths"] == {"rdma/ok": 1, "chunked/no_offer": 1}
+    assert result["owner_paths"] == {"wire/ok": 1, "chunked/no_offer": 1}
+    assert result["seconds"] < 6.0
     assert result["owner_live_slots"] == 0
 
 
@@ -76,12 +107,11 @@ def test_the_quickstart_runs_on_the_ray_start_cluster(testbed: Testbed) -> None:
 
 
 def test_a_broadcast_to_two_hosts_reads_the_first_copy_as_it_fills(testbed: Testbed) -> None:
-    """Host a's payload for hosts b and c: host c reads host b's copy over the link (TCP)
-    while host b still fills it, the bytes right on both; once both consumed it, neither
-    copy is left and the owner forgot them."""
+    """Host a's payload for hosts b and c: host c reads host b's copy over the wire (host b
+    sends it) while host b still fills it, the bytes right on both; once both consumed it,
+    neither copy is left and the owner forgot them."""
     result = run_scenario(testbed, "broadcast")
     assert result["ok"]
     assert result["c_relayed"] == 1, "host c's bytes must come from host b's copy"
-    lanes = {lane for node in result["transports"].values() for lane in node}
-    assert lanes == {"tcp/veth0"}
+    assert result["b_bulk_bytes_sent"] >= 64 * 2**20 - 16 * 2**20  # at least what c lagged
     assert result["owner_copy_sources"] == 0
