@@ -87,6 +87,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
         return "--fan-out is a mode of its own: not with --shapes"
     if args.shapes and not args.two_host:
         return "--shapes needs --two-host (the shapes we sell, measured across two hosts)"
+    if args.ucx_tcp and not args.shapes:
+        return "--ucx-tcp goes with --two-host --shapes"
     if args.checkout and not args.shapes:
         return "--checkout goes with --two-host --shapes (the one mode that runs another checkout)"
     if args.checkout and not os.path.isfile(os.path.join(args.checkout, "ray_velo", "__init__.py")):
@@ -201,7 +203,7 @@ def _two_host(args: argparse.Namespace) -> Outcome:
     if args.transport:
         return _two_host_transport(args, links, sizes, security)
     if args.shapes:
-        return _shapes(security, args.checkout)
+        return _shapes(security, args.checkout, args.ucx_tcp)
     results = run_two_host(
         links,
         sizes,
@@ -275,17 +277,18 @@ def _two_host_transport(
     return Outcome("two-host transport", "\n\n".join(texts), per_link, shapes, links, "tcp")
 
 
-def _shapes(security: Any, checkout: str | None) -> Outcome:
+def _shapes(security: Any, checkout: str | None, ucx_tcp: bool) -> Outcome:
     from ray_velo.bench.shapes import BENCH_SHAPES, format_shapes, measure_shapes
 
     pythonpath = os.path.abspath(checkout) if checkout else None
-    result = measure_shapes(BENCH_SHAPES, pythonpath=pythonpath, security=security)
+    result = measure_shapes(BENCH_SHAPES, pythonpath=pythonpath, security=security, ucx_tcp=ucx_tcp)
     shapes: Shapes = {
         name: {c: statistics.median(v) for c, v in row["seconds"].items()}
         for name, row in result["shapes"].items()
     }
     links = sorted({s.link for s in BENCH_SHAPES})
-    return Outcome("shapes", format_shapes(result), result, shapes, links, "tcp")
+    transport = "wire, ucx tcp (opt-in)" if ucx_tcp else "wire"
+    return Outcome("shapes", format_shapes(result), result, shapes, links, transport)
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -435,6 +438,12 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--without-nixl",
         action="store_true",
         help="with --transport: go on where NIXL is not installed (no NIXL column)",
+    )
+    bench.add_argument(
+        "--ucx-tcp",
+        action="store_true",
+        help="with --two-host --shapes: also measure ray_velo with UCX allowed over TCP (the "
+        "operator's opt-in), each link's shapes in turn with the default (the wire)",
     )
     bench.add_argument(
         "--checkout",

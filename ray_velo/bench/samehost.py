@@ -362,7 +362,12 @@ def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
             verified["velo"] = crc == expected
         paths = ray.get(cluster.consumer.path_counts.remote())
         transport = transport_text(ray.get(cluster.consumer.agent_info.remote())["ucx_transports"])
-        taken = f"UCX GET over {transport}" if paths.get("rdma/ok") else "chunked Ray calls"
+        if paths.get("rdma/ok"):
+            taken = f"UCX GET over {transport}"
+        elif paths.get("wire/ok"):
+            taken, transport = "the agents' wire", "none (the owner sent the bytes over TCP)"
+        else:
+            taken = "chunked Ray calls"
         lines.append(f"payload: {size_bytes / MiB:.0f} MiB numpy array, node a -> node b")
         for through, label in (("ray", "Ray object store"), ("velo", f"ray_velo, {taken}")):
             seconds = best[through]
@@ -376,9 +381,9 @@ def demo(size_bytes: int = 256 * MiB, rounds: int = 3) -> str:
         )
         lines.append(f"  consumer-side path decisions: {paths}; UCX transport: {transport}")
         lines.append(
-            "  note: both Ray nodes run on this machine, so UCX moved the bytes through "
-            f"{transport}, a path no two real hosts have: these are not cross-host figures. "
-            "For those, `sudo ray-velo bench --two-host` (two emulated hosts, UCX over TCP)."
+            "  note: both Ray nodes run on this machine, so the bytes crossed loopback, not a "
+            "network: these are not cross-host figures. For those, "
+            "`sudo ray-velo bench --two-host --shapes` (two emulated hosts on a shaped link)."
         )
         if not all(verified.values()):
             raise RuntimeError("\n".join(lines))

@@ -77,14 +77,15 @@ BENCH_SHAPES = (
 )
 
 
-def _drive(testbed: Any, shapes: Sequence[Shape], pythonpath: str | None) -> dict[str, Any]:
+def _drive(
+    testbed: Any, shapes: Sequence[Shape], pythonpath: str | None, ucx_tcp: bool = False
+) -> dict[str, Any]:
     spec = json.dumps([[s.name, s.kind, s.nbytes, s.rounds] for s in shapes])
     env = {"PYTHONPATH": pythonpath} if pythonpath else None
     # Ray puts the driver's working directory first on its workers' import path: in another
     # checkout's root, its ray_velo is the one imported
-    done = testbed.run(
-        [sys.executable, DRIVER, spec], env=env, timeout_s=DRIVER_TIMEOUT_S, cwd=pythonpath
-    )
+    argv = [sys.executable, DRIVER, spec, *(["--ucx-tcp"] if ucx_tcp else [])]
+    done = testbed.run(argv, env=env, timeout_s=DRIVER_TIMEOUT_S, cwd=pythonpath)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]
@@ -99,14 +100,18 @@ def measure_shapes(
     pythonpath: str | None = None,
     raw_link: bool = True,
     security: Security = DEFAULT_SECURITY,
+    ucx_tcp: bool = False,
 ) -> dict[str, Any]:
     """Every shape on one two-host testbed (its links reshaped between link groups), each
     shape's rounds interleaved with Ray's; with ``raw_link``, one plain TCP socket moves each
     array shape's bytes after its rounds. ``pythonpath``: the ray_velo checkout the nodes and
-    the driver run (another commit's, to compare; None: this one).
+    the driver run (another commit's, to compare; None: this one). ``ucx_tcp``: each link
+    group is measured twice in turn, with the agents' defaults (the bytes over the wire) and
+    with UCX allowed over TCP (the operator's opt-in), the latter's rounds as ``velo_ucx_tcp``
+    (Ray's rounds of both runs as ``ray``).
 
-    Returns ``{"shapes": {name: {link, kind, bytes, seconds: {velo, ray[, raw_tcp]},
-    consistent, registered_before, registered_after}}}``.
+    Returns ``{"shapes": {name: {link, kind, bytes, seconds: {velo, ray[, velo_ucx_tcp,
+    raw_tcp]}, consistent, registered_before, registered_after}}}``.
 
     Raises:
         TestbedUnavailable: this machine cannot make network namespaces (not root).
@@ -128,6 +133,13 @@ def measure_shapes(
                 names = ", ".join(s.name for s in group)
                 progress.working(f"link {link}: {names}")
                 measured = _drive(testbed, group, pythonpath)["shapes"]
+                if ucx_tcp:
+                    opted = _drive(testbed, group, pythonpath, ucx_tcp=True)["shapes"]
+                    for name, other in opted.items():
+                        seconds = measured[name]["seconds"]
+                        seconds["velo_ucx_tcp"] = other["seconds"]["velo"]
+                        seconds["ray"] = seconds["ray"] + other["seconds"]["ray"]
+                        measured[name]["consistent"] &= other["consistent"]
                 for shape in group:
                     row = measured[shape.name]
                     if raw_link and shape.kind != "dict":
@@ -151,10 +163,12 @@ def shape_ratios(row: dict[str, Any]) -> dict[str, float | None]:
     and ``velo/raw`` (the raw socket's median over ray_velo's median, arrays only)."""
     seconds = row["seconds"]
     raw = seconds.get("raw_tcp")
+    ucx = seconds.get("velo_ucx_tcp")
     return {
         "velo/ray": speed_over_ray(row),
         "velo/ray total": sum(seconds["ray"]) / sum(seconds["velo"]),
         "velo/raw": statistics.median(raw) / statistics.median(seconds["velo"]) if raw else None,
+        "ucx_tcp/raw": statistics.median(raw) / statistics.median(ucx) if raw and ucx else None,
     }
 
 
@@ -175,6 +189,10 @@ def format_shapes(result: dict[str, Any]) -> str:
         )
         if ratios["velo/raw"] is not None:
             text += f" | velo/raw link {ratios['velo/raw']:.2f}"
+        if "velo_ucx_tcp" in seconds:
+            text += f" | UCX over tcp (opt-in) {_round_ms(seconds['velo_ucx_tcp'])} ms"
+            if ratios["ucx_tcp/raw"] is not None:
+                text += f", /raw link {ratios['ucx_tcp/raw']:.2f}"
         if not row["consistent"]:
             text += " | WARNING: the consumer read different values"
         lines.append(text)
@@ -187,6 +205,7 @@ def format_shapes(result: dict[str, Any]) -> str:
     lines.append(
         "Rounds in ms, timed end to end from a driver on host a (producer actor on a, consumer "
         "actor on b reading every page), ray_velo and Ray by turns; velo/Ray = Ray's median "
-        "over ray_velo's (totals: the sums of the rounds); UCX over tcp on the veth link."
+        "over ray_velo's (totals: the sums of the rounds); ray_velo's bytes over the agents' authenticated "
+        "wire on the veth link (UCX over tcp only in the opt-in column)."
     )
     return "\n".join(lines)

@@ -165,16 +165,20 @@ def measure_shape(
     }
 
 
-def measure(shapes: Sequence[tuple[str, str, int, int]]) -> dict[str, Any]:
+def measure(shapes: Sequence[tuple[str, str, int, int]], ucx_tcp: bool = False) -> dict[str, Any]:
     """Every ``(name, kind, bytes, rounds)`` in ``shapes``, after one small transfer that
-    warms both nodes' pools (as a user's first call would)."""
+    warms both nodes' pools (as a user's first call would). ``ucx_tcp``: the agents may use
+    UCX over TCP (the operator's opt-in; by default the bytes cross over the wire)."""
     import ray
 
     import ray_velo as rv
     from ray_velo.testbed import connect
 
     info = connect()
-    rv.init()
+    if ucx_tcp:
+        rv.init(rv.VeloConfig(rdma=rv.RdmaConfig(ucx=rv.UcxConfig(tcp=True))))
+    else:
+        rv.init()
     host_a, host_b = info.hosts[0], info.hosts[1]
     actors = _actors({host_a.resource: 1}, {host_b.resource: 1})
     ray.get(actors["producer"].make.remote("array", 1 * MiB))
@@ -192,9 +196,10 @@ def measure(shapes: Sequence[tuple[str, str, int, int]]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shapes_driver.py")
     parser.add_argument("shapes", help="JSON list of [name, kind, bytes, rounds]")
+    parser.add_argument("--ucx-tcp", action="store_true", help="agents may use UCX over TCP")
     args = parser.parse_args(argv)
     shapes = [(str(n), str(k), int(b), int(r)) for n, k, b, r in json.loads(args.shapes)]
-    result = measure(shapes)
+    result = measure(shapes, args.ucx_tcp)
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     return 0
 

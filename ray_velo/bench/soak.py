@@ -17,7 +17,7 @@ __all__ = ["SOAK_SIZES", "Slack", "SoakResult", "format_soak", "run_soak"]
 KiB, MiB = 1 << 10, 1 << 20
 #: Payload sizes a soak draws from (each round picks one).
 SOAK_SIZES = (64 * KiB, 300 * KiB, MiB, 4 * MiB, 16 * MiB, 32 * MiB)
-#: Share of payloads staged pinned (the RDMA path); the rest are plain (the chunked path).
+#: Share of payloads staged pinned (registered where UCX runs); the rest are plain.
 PINNED_SHARE = 0.7
 #: The longest one payload may take end to end before the soak calls it lost (s).
 ROUND_TIMEOUT_S = 120.0

@@ -84,9 +84,9 @@ from ray_velo.state.store import SlotView
 
 __all__ = ["RENEW_FLOOR_S", "FetchDriver", "LeaseRenewals"]
 
-#: Where a range is read from: a UCX descriptor (a GET), or a lease on an agent's bulk port
-#: (the agent sends it over the wire).
-Source = RdmaDescriptor | WireSource
+#: Where a range is read from: a UCX descriptor (a GET), a lease on an agent's bulk port
+#: (the agent sends it over the wire), or this agent's own copy (a memory copy).
+Source = RdmaDescriptor | WireSource | Placement
 #: GETs bytes ``[start, stop)`` of a payload from a node: (node, source, start, stop,
 #: timeout_s).
 GetRange = Callable[[str, Source, int, int, float], None]
@@ -470,11 +470,11 @@ class _Run:
     def _copy_range(
         self, node: str, source: Source, start: int, stop: int, timeout_s: float
     ) -> None:
-        """Copy bytes ``[start, stop)`` of this agent's own copy (``source`` is in this
-        process; the relay lease keeps it) into the destination: another receiver on this
-        node brought them over the link."""
-        assert isinstance(source, RdmaDescriptor)
-        ctypes.memmove(self._buffer().address + start, source.addr + start, stop - start)
+        """Copy bytes ``[start, stop)`` of this agent's own copy (``source``, its buffer in
+        this process; the relay lease keeps it) into the destination: another receiver on
+        this node brought them over the link."""
+        assert isinstance(source, Placement)
+        ctypes.memmove(self._buffer().address + start, source.address + start, stop - start)
 
     def _get_windows(self, answer: Rdma, start: int, until: float, pieces: bool) -> None:
         """GET bytes ``[start, total_len)`` of a plain slot window by window, asking for the
@@ -550,6 +550,7 @@ class _Run:
         if isinstance(descriptor, WireSource):
             self._read_into(descriptor, start, stop, until)
             return
+        assert isinstance(descriptor, RdmaDescriptor)
         rdma, buffer, windows = self.core.ucx(), self._buffer(), self.dest.windows
         dest = buffer.address + base
         if windows is None:

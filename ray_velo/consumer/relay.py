@@ -96,6 +96,23 @@ class RelayServer:
             )
             return encode(progress)
 
+    def buffer_of(self, remote: DataHandle) -> Placement:
+        """Where this agent's copy of ``remote`` is (a reader on this node copies from it;
+        its relay lease keeps it).
+
+        Raises:
+            HandleNotFound: no copy of it here any more.
+        """
+        state = self.core.consumer_state
+        with self.core.lock:
+            relay = state.relay(remote)
+            buffer = None if relay is None else state.relay_buffer(relay)
+        if not isinstance(buffer, Placement):
+            raise HandleNotFound(
+                handle=str(remote), node=self.core.node_id, reason="its copy here is gone"
+            )
+        return buffer
+
     def end(self, data: bytes) -> None:
         """``_rv_relay_end``: a reader is done with the copy."""
         request = decode(RelayEnd, data)
@@ -205,7 +222,8 @@ def read_relay(
     """Read the copy of ``handle`` on ``node`` (``copy``: its agent is ``link``) into ``dest``
     as it fills, by ``until`` on the agent's clock: ``get_range(node, source, start, stop,
     timeout_s)`` GETs each landed range (``source``: the copy's descriptor), or, with
-    ``bulk`` (that agent's bulk port), reads it over the wire under the relay lease. Returns
+    ``bulk`` (that agent's bulk port), reads it over the wire under the relay lease, or,
+    from this agent's own copy (``OwnRelayLink``), copies it (``source``: its buffer). Returns
     how many bytes from the start are in ``dest`` (all of them, or as far as it got before
     the copy failed). A GET that may still write ``dest`` raises (UcxError)."""
     handle, node = copy
@@ -216,7 +234,9 @@ def read_relay(
         progress = decode(RelayProgress, link.call(RV_RELAY, encode(request), wait_s))
         lease_id = progress.lease_id
         descriptor: Any
-        if bulk is not None:
+        if isinstance(link, OwnRelayLink):
+            descriptor = link.server.buffer_of(handle)
+        elif bulk is not None:
             descriptor = WireSource(bulk, handle, lease_id, copy=True)
         else:
             descriptor = core.ucx().decode(progress.descriptor, total)

@@ -22,8 +22,9 @@ def test_the_readmes_demo_moves_verified_bytes_and_names_its_path() -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     out = done.stdout
     assert re.search(r"Ray object store .* bytes verified", out), out
-    assert re.search(r"ray_velo, UCX GET over \S+.* bytes verified", out), out
+    assert re.search(r"ray_velo, the agents' wire .* bytes verified", out), out
     assert re.search(r"ray_velo: [\d.]+x Ray's object store", out), out
-    # every fetch took the one-sided GET, and the figures say they are not cross-host ones
-    assert re.search(r"consumer-side path decisions: \{'rdma/ok': \d+\}", out), out
+    # every fetch took the wire (UCX is closed by default), and the figures say they are not
+    # cross-host ones
+    assert re.search(r"consumer-side path decisions: \{'wire/ok': \d+\}", out), out
     assert "not cross-host figures" in out

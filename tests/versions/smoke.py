@@ -81,7 +81,7 @@ def put_fetch() -> str:
     assert ray.get(crc_on_b.remote(handle)) == crc(pattern(8 * MiB)), "bytes differ"
     after = agent_of("node_b")["metrics"]["velo_rendezvous_rdma_path_total"]
     moved = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
-    assert moved == {"rdma/ok": 1}, f"consumer path decisions {moved}"
+    assert moved == {"wire/ok": 1}, f"consumer path decisions {moved}"
     return "ok"
 
 
