@@ -540,8 +540,9 @@ class RendezvousAgent:
         2. stop the reaper (the timer); the drains pass over leases whose deadline passed;
         3. demote: copy every registered slot to plain memory, so a chunked pull admitted
            before the gate still finishes;
-        4. drain the GETs: this agent's own fetches, the RDMA leases on its memory, and the
-           reads of what fetches brought during the drain;
+        4. drain the GETs: this agent's own fetches, the RDMA and wire leases on its memory
+           (GETs of it, and its sends over the wire), and the reads of what fetches brought
+           during the drain; then close the bulk port (a send still running stops there);
         5. deregister regions, then arenas (before UCX: pages outlive registrations);
         6. drain the chunked pulls still running (the messenger half, remaining time);
         7. free every slot, unmap the plain pool, tear UCX down.
@@ -561,6 +562,7 @@ class RendezvousAgent:
             report = {
                 "fetches_at_gate": self.consumer.inflight,
                 "gets_at_gate": counts.rdma_leases,
+                "reads_at_gate": counts.wire_leases,
                 "pulls_at_gate": counts.chunked_leases,
             }
         if self._ticker is not None:

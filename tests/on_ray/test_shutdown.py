@@ -1,7 +1,8 @@
 """``rv.shutdown()`` on the two-node cluster, in the spec's order: a chunked pull and a GET
-admitted before it finish with the right bytes; a consumer stalled inside its GET is bounded
-by the shutdown timeout and ends with a clear error; afterwards no segment of the agents is
-left in the shm directory, their processes are gone and the driver has no ray_velo thread."""
+(UCX allowed over TCP), or a read over the wire (the default), admitted before it finish
+with the right bytes; a consumer stalled inside its GET or read is bounded by the shutdown
+timeout and ends with a clear error; afterwards no segment of the agents is left in the shm
+directory, their processes are gone and the driver has no ray_velo thread."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 import ray_velo as rv
-from ray_velo.config import MiB, RdmaConfig
+from ray_velo.config import MiB, RdmaConfig, UcxConfig
+from ray_velo.wire.server import WIRE_DISABLE_ENV
 
 from .conftest import TEST_CONFIG, agent_info, node_ids, pid_alive, restart_agent
 
@@ -54,13 +56,21 @@ def fresh_agents(cluster: object) -> Iterator[None]:
     rv.init(TEST_CONFIG)
 
 
-def restart_both(shutdown_timeout: float) -> None:
-    config = TEST_CONFIG.replace(rdma=RdmaConfig(
-        rendezvous=TEST_CONFIG.rdma.rendezvous, shutdown_timeout=shutdown_timeout,
-    ))  # fmt: skip
+def restart_both(
+    shutdown_timeout: float, ucx_tcp: bool = False, owner_env: dict[str, str] | None = None
+) -> None:
+    """Both agents with ``shutdown_timeout``; ``ucx_tcp``: UCX allowed over TCP (the
+    operator's opt-in); ``owner_env``: node a's agent's environment."""
+    config = TEST_CONFIG.replace(
+        rdma=RdmaConfig(
+            rendezvous=TEST_CONFIG.rdma.rendezvous,
+            shutdown_timeout=shutdown_timeout,
+            ucx=UcxConfig(tcp=ucx_tcp),
+        )
+    )
     rv.init(config)
-    for node in ("node_a", "node_b"):
-        restart_agent(node, config)
+    restart_agent("node_a", config, env=owner_env)
+    restart_agent("node_b", config)
 
 
 def agent_of(node: str) -> object:
@@ -84,7 +94,10 @@ def ended_cleanly(infos: dict[str, dict[str, object]]) -> None:
 def test_a_pull_and_a_get_admitted_before_shutdown_finish_with_their_bytes(
     fresh_agents: None,
 ) -> None:
-    restart_both(shutdown_timeout=30.0)
+    """UCX allowed over TCP and node a serving no wire (an operator closed it): its pinned
+    payload moves by a GET, its plain one by chunks; both admitted before the shutdown
+    finish."""
+    restart_both(shutdown_timeout=30.0, ucx_tcp=True, owner_env={WIRE_DISABLE_ENV: "1"})
     # slow enough that both transfers are in flight at once even when the second task's
     # worker starts seconds after the first (40 chunks, 4 at a time: 2.5 s)
     ray.get(agent_of("node_a").inject_fault.remote("slow_pulls_s", 0.25))
@@ -106,6 +119,27 @@ def test_a_pull_and_a_get_admitted_before_shutdown_finish_with_their_bytes(
     assert reports[node_ids()["node_b"]]["fetches_at_gate"] == 2
     assert ray.get(chunked_ref, timeout=BOUND_S) == crc(plain)
     assert ray.get(get_ref, timeout=BOUND_S) == crc(pinned)
+    ended_cleanly(infos)
+
+
+def test_a_read_over_the_wire_admitted_before_shutdown_finishes_with_its_bytes(
+    fresh_agents: None,
+) -> None:
+    """The default (the owner sends the bytes over the wire): node b's read waits 4 s under
+    its wire lease when the shutdown begins; node a drains it before it closes its bulk
+    port, and node b gets every byte."""
+    restart_both(shutdown_timeout=30.0)
+    ray.get(agent_of("node_b").inject_fault.remote("stall_before_get_s", 4.0))
+    payload = np.random.default_rng(3).integers(0, 255, 8 * MiB, dtype=np.uint8)
+    ref = fetch_crc_on_b.remote(rv.put(payload), 120.0)
+    eventually(lambda: agent_info("node_a")["live_leases"] >= 1, "the wire lease granted")
+    infos = {n: agent_info(n) for n in ("node_a", "node_b")}
+
+    reports = rv.shutdown(stop_ray=False)
+
+    owner = reports[node_ids()["node_a"]]
+    assert owner["reads_at_gate"] == 1 and owner["gets_drained"] == 1, owner
+    assert ray.get(ref, timeout=BOUND_S) == crc(payload)
     ended_cleanly(infos)
 
 
