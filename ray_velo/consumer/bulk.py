@@ -26,6 +26,7 @@ from ray_velo.protocol.handle import DataHandle
 from ray_velo.protocol.messages import ReadRequest
 from ray_velo.wire.auth import WireAuth, keep_alive
 from ray_velo.wire.bulk import abort
+from ray_velo.wire.io import receive_exactly
 
 __all__ = ["READ_STALL_S", "STRIPE_ALIGN", "BulkReader", "RangeReader", "WireSource", "stripes"]
 
@@ -136,15 +137,15 @@ class BulkReader:
         idles them out) is replaced once, before any byte of the answer came."""
         for fresh in (False, True):
             sock, reused = self._take(address, request, until, fresh)
-            answered = False
             try:
-                answered = self._exchange(sock, request, dest, until)
+                self._exchange(sock, request, dest, until)
             except VeloError:
                 self._give(address, sock)  # the owner answered: the connection is sound
                 raise
             except (OSError, ProtocolError, _Short) as exc:
                 abort(sock)
-                if reused and not answered and not fresh:
+                # a kept connection the owner closed fails at once, before any answer
+                if reused and not fresh and isinstance(exc, (ConnectionError, BrokenPipeError)):
                     continue
                 got = exc.got if isinstance(exc, _Short) else 0
                 raise WireReadError(
@@ -163,9 +164,9 @@ class BulkReader:
 
     def _exchange(
         self, sock: socket.socket, request: ReadRequest, dest: memoryview, until: float
-    ) -> bool:
-        """Send the request and receive the answer into ``dest``; returns True (raises
-        before the answer's header arrived as plain OSError, after it as _Short)."""
+    ) -> None:
+        """Send the request and receive the answer into ``dest`` (a failure before the
+        answer's header arrived raises as OSError, after it as _Short)."""
         sock.settimeout(self._wait(until))
         sock.sendall(encode_read(next(self._ids), request))
         length, status, _ = HEADER.unpack(self._receive(sock, HEADER.size, until))
@@ -185,7 +186,6 @@ class BulkReader:
                 got += n
         except OSError as exc:
             raise _Short(str(exc) or type(exc).__name__, got) from exc
-        return True
 
     def _wait(self, until: float) -> float:
         left = until - time.monotonic()
@@ -194,14 +194,8 @@ class BulkReader:
         return min(left, self.stall_s)
 
     def _receive(self, sock: socket.socket, size: int, until: float) -> bytes:
-        out = bytearray()
-        while len(out) < size:
-            sock.settimeout(self._wait(until))
-            chunk = sock.recv(size - len(out))
-            if not chunk:
-                raise ConnectionResetError("the owner closed the connection")
-            out += chunk
-        return bytes(out)
+        sock.settimeout(self._wait(until))
+        return receive_exactly(sock, size)
 
     # --- connections -------------------------------------------------------------------
 

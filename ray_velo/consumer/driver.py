@@ -576,26 +576,18 @@ class _Run:
         destination.
 
         Raises:
-            WireReadError: the read failed (the owner's refusal included), or this agent
-                reads no wire.
+            WireReadError: the read failed, the sender's refusal included (its lease ended,
+                a range it lacks).
         """
         reader = self.driver.bulk
+        assert reader is not None  # the wire is offered, and answered, only with a reader
         request = ReadRequest(source.handle, source.lease_id, start, stop, source.copy)
-        if reader is None:
-            raise WireReadError(
-                handle=str(self.handle),
-                peer=source.address,
-                start=start,
-                stop=stop,
-                got=0,
-                reason="this agent reads no wire (it has no credentials for it)",
-            )
         view = self._buffer().view()
         try:
             reader.read(source.address, request, view[start:stop], self.core.clock.left(until))
         except WireReadError:
             raise
-        except VeloError as exc:  # the sender refused: the lease ended, a range it lacks
+        except VeloError as exc:
             raise WireReadError(
                 handle=str(self.handle),
                 peer=source.address,

@@ -27,6 +27,7 @@ from ray_velo.protocol.entry import RV_RELAY, RV_RELAY_END, Entry
 from ray_velo.protocol.frames import HEADER, MAX_FRAME_BYTES, decode_answer, encode_request
 from ray_velo.state.relays import RELAY_PIECE_BYTES, RELAY_WAIT_S
 from ray_velo.wire.auth import WireAuth
+from ray_velo.wire.io import receive_exactly
 
 __all__ = ["OwnRelayLink", "RelayLink", "RelayServer", "copy_gone_notice", "read_relay"]
 
@@ -142,10 +143,10 @@ class RelayLink:
         self._ids += 1
         sock.sendall(encode_request(entry.name, self._ids, message))
         while True:
-            length, status, call_id = HEADER.unpack(_read(sock, HEADER.size))
+            length, status, call_id = HEADER.unpack(receive_exactly(sock, HEADER.size))
             if not HEADER.size - 4 <= length <= MAX_FRAME_BYTES:
                 raise ProtocolError(f"relay answer frame of {length} bytes")
-            body = _read(sock, length - (HEADER.size - 4))
+            body = receive_exactly(sock, length - (HEADER.size - 4))
             if call_id == self._ids:
                 break
         ok, value = decode_answer(status, body)
@@ -198,16 +199,6 @@ class OwnRelayLink:
 
     def close(self) -> None:
         return None
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise ConnectionResetError("the copy's agent closed the connection")
-        out += chunk
-    return bytes(out)
 
 
 def read_relay(

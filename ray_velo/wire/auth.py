@@ -25,6 +25,7 @@ from ray_velo.protocol.handshake import (
     ClientHandshake,
     ServerHandshake,
 )
+from ray_velo.wire.io import PeerClosed, receive_exactly
 
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
@@ -335,10 +336,7 @@ async def _read(reader: asyncio.StreamReader, size: int, peer: str) -> bytes:
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
-    out = bytearray()
-    while len(out) < size:
-        chunk = sock.recv(size - len(out))
-        if not chunk:
-            raise WireAuthError(reason="closed")
-        out += chunk
-    return bytes(out)
+    try:
+        return receive_exactly(sock, size)
+    except PeerClosed:
+        raise WireAuthError(reason="closed") from None

@@ -36,6 +36,7 @@ from ray_velo.protocol.bulk import (
 from ray_velo.protocol.frames import MAX_FRAME_BYTES
 from ray_velo.protocol.messages import ReadRequest
 from ray_velo.wire.auth import HANDSHAKE_TIMEOUT_S, WireAuth, keep_alive
+from ray_velo.wire.io import receive_exactly
 
 __all__ = [
     "IDLE_S",
@@ -157,7 +158,7 @@ class BulkServer:
                     target=self._connection, args=(sock,), name="ray_velo-bulk-send", daemon=True
                 )
                 self._threads.add(thread)
-            thread.start()
+                thread.start()  # under the lock: close() joins only threads that started
 
     def _connection(self, raw: socket.socket) -> None:
         sock: socket.socket | None = None
@@ -201,11 +202,11 @@ class BulkServer:
         while not self._closed:
             sock.settimeout(self._idle_s)
             try:
-                length, kind, call_id = HEADER.unpack(_receive(sock, HEADER.size))
+                length, kind, call_id = HEADER.unpack(receive_exactly(sock, HEADER.size))
                 if not HEADER.size - 4 <= length <= MAX_FRAME_BYTES:
                     _log.warning("ray_velo: a bulk peer sent a %d-byte frame; closing", length)
                     return
-                body = _receive(sock, length - (HEADER.size - 4))
+                body = receive_exactly(sock, length - (HEADER.size - 4))
                 request = decode_read(length, kind, body)
             except (OSError, ConnectionError, ProtocolError):
                 return  # closed, idle, or not speaking the protocol: nothing more to say
@@ -277,13 +278,3 @@ def _peer(sock: socket.socket) -> str:
     except OSError:
         return "?"
     return f"{name[0]}:{name[1]}"
-
-
-def _receive(sock: socket.socket, size: int) -> bytes:
-    out = bytearray()
-    while len(out) < size:
-        chunk = sock.recv(size - len(out))
-        if not chunk:
-            raise ConnectionResetError("the peer closed the connection")
-        out += chunk
-    return bytes(out)

@@ -195,8 +195,8 @@ def kill_switch(info: TestbedInfo) -> dict[str, Any]:
 
 
 def unreachable(info: TestbedInfo) -> dict[str, Any]:
-    """Host b's UCX (allowed over TCP) is told to use only `lo` (UCX_NET_DEVICES=lo): no
-    transport of it reaches host a, so host b offers no GET and reads over the wire."""
+    """Host b's UCX (allowed over TCP) is told to use only `lo` (UCX_NET_DEVICES=lo): its
+    GET to host a fails, and the fetch falls back to chunks, once."""
     nodes, node_b = alive_node_ids(), _node_of(info, 1)
     _restart(nodes, UCX_TCP)
     _restart([node_b], {**UCX_TCP, "UCX_NET_DEVICES": "lo"})

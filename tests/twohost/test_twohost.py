@@ -62,16 +62,15 @@ def test_kill_switch_turns_the_gets_off_not_the_wire(testbed: Testbed) -> None:
     assert result["owner_live_slots"] == 0
 
 
-def test_a_consumer_whose_ucx_cannot_reach_the_owner_reads_over_the_wire(
-    testbed: Testbed,
-) -> None:
-    """Host b's UCX (allowed over TCP) is limited to `lo` (a wrong UCX_NET_DEVICES): no
-    transport of it reaches host a, so host b never offers a GET (no failed one to fall
-    back from) and reads over the wire."""
+def test_a_consumer_whose_ucx_get_fails_falls_back_once(testbed: Testbed) -> None:
+    """UCX allowed over TCP, host b's limited to `lo` (a wrong UCX_NET_DEVICES): its
+    endpoint to host a comes up (UCX wires up lazily) but its GET fails; the fetch detaches,
+    acquires again with no offer and pulls chunks, exactly once; the bytes are right and the
+    reason is counted."""
     result = run_scenario(testbed, "unreachable")
     assert all(c["ok"] for c in result["checked"]), result["checked"]
-    assert result["consumer_paths"] == {"wire/ok": 1}
-    assert result["owner_paths"] == {"wire/ok": 1}
+    assert result["consumer_paths"] == {"chunked/get_failed": 1}
+    assert result["owner_paths"] == {"rdma/ok": 1, "chunked/no_offer": 1}
     assert result["owner_live_slots"] == 0
 
 

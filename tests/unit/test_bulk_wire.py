@@ -8,6 +8,7 @@ come from a stand-in opener (the owner's real one is in test_pair_wire.py). No R
 from __future__ import annotations
 
 import itertools
+import contextlib
 import os
 import socket
 import struct
@@ -228,7 +229,7 @@ def test_a_peer_without_the_secret_gets_no_byte(owner: Owner) -> None:
     assert wire_outcome(raw, 5) == "closed"
     raw.close()
     assert owner.opened == 0
-    assert "bad_proof" in owner.refusals or "closed" in owner.refusals
+    eventually(lambda: "bad_proof" in owner.refusals or "closed" in owner.refusals)
 
 
 def test_a_silent_peer_is_closed_within_the_handshake_bound(owner: Owner) -> None:
@@ -238,7 +239,7 @@ def test_a_silent_peer_is_closed_within_the_handshake_bound(owner: Owner) -> Non
     assert wire_outcome(raw, 5) == "closed"
     assert time.monotonic() - started < 3
     raw.close()
-    assert "silent" in owner.refusals
+    eventually(lambda: "silent" in owner.refusals)
 
 
 def test_a_flood_of_silent_connections_drops_the_oldest_not_a_real_peer() -> None:
@@ -249,7 +250,7 @@ def test_a_flood_of_silent_connections_drops_the_oldest_not_a_real_peer() -> Non
     reader = BulkReader(WireAuth(SECRET))
     try:
         assert read(reader, owner, 0, 1 << 20) == PAYLOAD[: 1 << 20]
-        assert owner.refusals.count("dropped") >= 4
+        eventually(lambda: owner.refusals.count("dropped") >= 4)
     finally:
         reader.close()
         for sock in flood:
@@ -265,8 +266,9 @@ def test_garbage_after_the_handshake_opens_no_send(owner: Owner, garbage: bytes)
     before = owner.opened
     sock = authenticated(owner.server.address)
     try:
-        sock.sendall(garbage)
-        sock.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):  # the owner may have reset it already
+            sock.sendall(garbage)
+            sock.shutdown(socket.SHUT_WR)
         outcome = wire_outcome(sock, 5)
     finally:
         sock.close()
@@ -330,7 +332,8 @@ def test_under_tls_agents_of_the_cluster_read_and_a_plain_peer_is_refused(
             BulkReader(WireAuth(SECRET)).read(
                 owner.server.address, ReadRequest(HANDLE, 21, 0, 10), memoryview(bytearray(10)), 5
             )
-        assert owner.opened == 1 and "tls" in owner.refusals
+        assert owner.opened == 1
+        eventually(lambda: "tls" in owner.refusals)  # counted by the connection's thread
     finally:
         reader.close()
         owner.server.close()

@@ -109,9 +109,9 @@ class _Stop(Exception):
 def test_the_agents_backend_hands_the_config_options_to_its_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The agent builds its UCX backend from VeloConfig.rdma.ucx: the options reaching the
-    context are the config's, so its segment size is what the context applies. (The context
-    and worker are stand-ins: no UCX is loaded.)"""
+    """The agent builds its UCX backend from VeloConfig.rdma.ucx (TCP allowed here): the
+    options reaching the context are the config's, so its segment size is what the context
+    applies. (The context and worker are stand-ins: no UCX is loaded.)"""
 
     class RecordingContext:
         def __init__(self, options: dict[str, str]) -> None:
@@ -130,7 +130,10 @@ def test_the_agents_backend_hands_the_config_options_to_its_context(
     monkeypatch.setattr(backend, "UcxContext", RecordingContext)
     monkeypatch.setattr(backend, "UcxWorker", no_worker)
     with pytest.raises(_Stop):
-        backend.UcxRdmaBackend(UcxConfig(options={TX: "256k", "TLS": "tcp"}), time.monotonic)
+        backend.UcxRdmaBackend(
+            UcxConfig(options={TX: "256k", "TLS": "tcp"}, tcp=True),
+            time.monotonic,
+        )
     [context] = built
     assert (context.options[TX], context.options[RX]) == ("256k", "128k")
     assert context.options["TLS"] == "tcp"
