@@ -259,7 +259,7 @@ def _broadcast(args: argparse.Namespace, links: list[str], security: Any) -> Out
         }
         for link, row in rows.items()
     }
-    return Outcome("weights broadcast", text, rows, shapes, links, "tcp")
+    return Outcome("weights broadcast", text, rows, shapes, links, "wire")
 
 
 def _two_host_transport(
@@ -271,10 +271,10 @@ def _two_host_transport(
     per_link = run_two_host_transport(links, sizes, args.reps, security)
     texts, shapes = [], {}
     for link, got in per_link.items():
-        where = f"two hosts, {link} link, UCX over tcp"
+        where = f"two hosts, {link} link, VELO's bytes over the agents' wire"
         texts.append(format_transport(got["measured"], where, got["raw_s"]))
         shapes.update(_transport_shapes(got["measured"], f"@{link}", got["raw_s"]))
-    return Outcome("two-host transport", "\n\n".join(texts), per_link, shapes, links, "tcp")
+    return Outcome("two-host transport", "\n\n".join(texts), per_link, shapes, links, "wire")
 
 
 def _shapes(security: Any, checkout: str | None, ucx_tcp: bool) -> Outcome:
@@ -522,7 +522,7 @@ def _add_two_host_options(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--two-host",
         action="store_true",
-        help="across two emulated hosts (network namespaces, shaped veth, UCX over tcp; root)",
+        help="across two emulated hosts (network namespaces, shaped veth; root)",
     )
     bench.add_argument(
         "--link",

@@ -18,7 +18,8 @@ MiB = 1 << 20
 RESULT_PREFIX = "RESULT "
 #: ``PROBE <size>``: the driver asks the parent to probe the link now, and waits for ``go``.
 PROBE_PREFIX = "PROBE "
-KILL_SWITCH = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1"}
+#: Only chunks: no GET (the kill switch) and no wire (the owner then has no bulk port).
+CHUNKS_ONLY = {"VELO_RDMA_RENDEZVOUS_DISABLE": "1", "VELO_PEER_WIRE_DISABLE": "1"}
 
 __all__ = ["PROBE_PREFIX", "RESULT_PREFIX", "main", "measure"]
 
@@ -171,14 +172,14 @@ def _measure_sizes(
 def _measure_chunked(
     config: Any, classes: tuple[Any, Any], info: Any, rows: dict[int, dict[str, Any]], reps: int
 ) -> dict[str, int]:
-    """The chunked column of every row (agents restarted with the kill switch); the path
-    decisions it counted."""
+    """The chunked column of every row (agents restarted with the kill switch and no wire);
+    the path decisions it counted."""
     import ray
 
     from ray_velo.bench.actors import medians, transfer_round
 
-    _say("  the chunked path: agents restarted with VELO_RDMA_RENDEZVOUS_DISABLE=1")
-    _restart_agents(config, KILL_SWITCH)
+    _say("  the chunked path: agents restarted with the kill switch and no wire")
+    _restart_agents(config, CHUNKS_ONLY)
     producer, consumer = _pair(*classes, info.hosts)
     before = ray.get(consumer.path_counts.remote())
     for size, row in rows.items():

@@ -213,8 +213,16 @@ _Columns = tuple[tuple[str, str], ...]
 _Speeds = tuple[tuple[str, str, str, str], ...]
 _TABLES: dict[str, tuple[_Columns, _Speeds]] = {
     "velo": (
-        (("Ray, ms", "ray"), ("ray_velo, ms", "velo")),
-        (("ray_velo / Ray", "ray", "velo", "x"), ("ray_velo / raw link", "raw_tcp", "velo", "")),
+        (
+            ("Ray, ms", "ray"),
+            ("ray_velo, ms", "velo"),
+            ("UCX over tcp (opt-in), ms", "velo_ucx_tcp"),
+        ),
+        (
+            ("ray_velo / Ray", "ray", "velo", "x"),
+            ("ray_velo / raw link", "raw_tcp", "velo", ""),
+            ("UCX over tcp / raw link", "raw_tcp", "velo_ucx_tcp", ""),
+        ),
     ),
     "transport": (
         (

@@ -346,8 +346,9 @@ def format_two_host(results: Sequence[LinkResult]) -> str:
     lines.append("")
     lines.append(
         "GB/s, medians. Two emulated hosts (network namespaces, veth link shaped with tc tbf, "
-        "`ray start` on each, UCX over tcp). Ray / velo / chunked = put on host a + fetch and "
-        "read of every page on host b (chunked: kill switch on both agents); built = the same "
+        "`ray start` on each; ray_velo's bytes over the agents' wire, UCX closed). Ray / velo / chunked = put on host a + fetch and "
+        "read of every page on host b (chunked: kill switch and no wire on both agents); built = "
+        "the same "
         "array built in place on a (rv.empty, fill not timed, seal: no staging copy); pipe = actor on a "
         "returns the array to a task on b that reads it, undecorated vs @rv.transfer, timed "
         "from the driver; raw tcp = one plain TCP socket a -> b; raw ucx = bare UCX GET."
