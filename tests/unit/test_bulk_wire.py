@@ -7,8 +7,8 @@ come from a stand-in opener (the owner's real one is in test_pair_wire.py). No R
 
 from __future__ import annotations
 
-import itertools
 import contextlib
+import itertools
 import os
 import socket
 import struct
