@@ -58,7 +58,7 @@ def _sizes(args: argparse.Namespace, default: str) -> list[int]:
 def _links(args: argparse.Namespace) -> list[str]:
     from ray_velo.testbed.netns import parse_rate
 
-    links = [link.strip() for link in args.link.split(",") if link.strip()]
+    links = [link.strip() for link in (args.link or "10gbit").split(",") if link.strip()]
     for link in links:
         try:
             parse_rate(link)
@@ -203,7 +203,8 @@ def _two_host(args: argparse.Namespace) -> Outcome:
     if args.transport:
         return _two_host_transport(args, links, sizes, security)
     if args.shapes:
-        return _shapes(security, args.checkout, args.ucx_tcp)
+        only = links if args.link else None
+        return _shapes(security, args.checkout, args.ucx_tcp, only)
     results = run_two_host(
         links,
         sizes,
@@ -277,16 +278,19 @@ def _two_host_transport(
     return Outcome("two-host transport", "\n\n".join(texts), per_link, shapes, links, "wire")
 
 
-def _shapes(security: Any, checkout: str | None, ucx_tcp: bool) -> Outcome:
+def _shapes(security: Any, checkout: str | None, ucx_tcp: bool, links: list[str] | None) -> Outcome:
     from ray_velo.bench.shapes import BENCH_SHAPES, format_shapes, measure_shapes
 
     pythonpath = os.path.abspath(checkout) if checkout else None
-    result = measure_shapes(BENCH_SHAPES, pythonpath=pythonpath, security=security, ucx_tcp=ucx_tcp)
+    chosen = [s for s in BENCH_SHAPES if links is None or s.link in links]
+    if not chosen:
+        raise BenchRefused(f"--link {','.join(links or [])}: no shape runs on that link")
+    result = measure_shapes(chosen, pythonpath=pythonpath, security=security, ucx_tcp=ucx_tcp)
     shapes: Shapes = {
         name: {c: statistics.median(v) for c, v in row["seconds"].items()}
         for name, row in result["shapes"].items()
     }
-    links = sorted({s.link for s in BENCH_SHAPES})
+    links = sorted({s.link for s in chosen})
     transport = "wire, ucx tcp (opt-in)" if ucx_tcp else "wire"
     return Outcome("shapes", format_shapes(result), result, shapes, links, transport)
 
@@ -526,8 +530,10 @@ def _add_two_host_options(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--link",
-        default="10gbit",
-        help="with --two-host: link rates, comma separated: 10gbit, 25gbit, none (unshaped)",
+        default=None,
+        help="with --two-host: link rates, comma separated: 10gbit, 25gbit, none (unshaped); "
+        "default 10gbit (with --shapes: every shape's own link; given, only the shapes on "
+        "those links)",
     )
     bench.add_argument(
         "--budget-mib",
