@@ -251,7 +251,7 @@ class RendezvousAgent:
         )
         self.bulk_reader: RangeReader | None = None
         if wire_auth is not None:
-            reader = BulkReader(wire_auth, stall_s=config.wire_stall_s)
+            reader = BulkReader(wire_auth, streams=config.wire_streams, stall_s=config.wire_stall_s)
             self.bulk_reader = reader if faults is None else FaultyReader(reader, faults)
         self.consumer = ConsumerService(
             core, peers or self.peers, owner, self.serve, self.bulk_reader

@@ -284,6 +284,9 @@ class VeloConfig:
         rdma: the RDMA path's configuration.
         plain_arena_bytes: size of each unregistered ("plain memory") arena.
         sweep_interval: period of the TTL / chunked-lease sweep while deadlines exist (s).
+        wire_streams: connections one read over the agents' wire is split over, for a payload
+            of at least 64 MiB: one fills a 10 Gbit/s link (docs/benchmarks.md); more for a
+            link one TCP stream does not fill.
         wire_stall_s: over the agents' wire, a read that receives no byte for this long fails
             (its fetch falls back to chunks once), and a send that moves none is aborted (its
             bytes go back): a peer that stalls or vanishes costs this much, never a hang.
@@ -302,11 +305,18 @@ class VeloConfig:
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
     plain_arena_bytes: int = 64 * MiB
     sweep_interval: float = 0.1
+    wire_streams: int = 1
     wire_stall_s: float = 10.0
     fault_injection: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("threshold_bytes", "chunk_size", "pulls_in_flight", "plain_arena_bytes"):
+        for name in (
+            "threshold_bytes",
+            "chunk_size",
+            "pulls_in_flight",
+            "plain_arena_bytes",
+            "wire_streams",
+        ):
             _positive(self, name)
         if self.chunk_size % 4096:
             raise ConfigError(

@@ -54,7 +54,7 @@ def hosts_text(indices: Sequence[int]) -> str:
 
 
 def agent_counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
-    """The fetch counters (by path: rdma, chunked, cache) and the relayed fetches
+    """The fetch counters (by path: rdma, wire, chunked, cache) and the relayed fetches
     (``"relayed"``) of every reader host's agent, summed over those hosts."""
     import ray
 
@@ -77,12 +77,12 @@ def agent_counters(on_readers: Sequence[Mapping[str, float]]) -> Counter[str]:
 
 
 def per_round(before: Counter[str], after: Counter[str], reps: int) -> dict[str, float]:
-    """Per measured round: transfers over a link (rdma + chunked), of which relayed (from
+    """Per measured round: transfers over a link (rdma, wire, chunked), of which relayed (from
     another reader's copy rather than host a), node-local copies read, and payloads
     that rode inside Ray's call (``inline``: no transfer of ours)."""
     moved = after - before  # Counter subtraction keeps the positive deltas only
     return {
-        "transfers": (moved["rdma"] + moved["chunked"]) / reps,
+        "transfers": (moved["rdma"] + moved["wire"] + moved["chunked"]) / reps,
         "relayed": moved[_RELAYED] / reps,
         "copies": moved["cache"] / reps,
         "inline": moved[_INLINE] / reps,
