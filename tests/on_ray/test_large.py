@@ -46,13 +46,14 @@ def pattern(nbytes: int) -> np.ndarray:
     return np.resize(np.arange(251, dtype=np.uint8), nbytes)
 
 
-@pytest.fixture(params=["wire", "ucx"])
+@pytest.fixture()
 def large_agents(velo: None, request: pytest.FixtureRequest) -> Iterator[str]:
-    """Both agents with the node's own budget, UCX closed (the default) or allowed over TCP;
-    the path the payload takes."""
+    """Both agents with the node's own budget, UCX closed (the default, ``wire``) or allowed
+    over TCP (``rdma``), as the test's ``path`` says; that path."""
+    path = request.node.callspec.params["path"]
     for node in ("node_a", "node_b"):
-        restart_agent(node, LARGE if request.param == "wire" else LARGE_UCX)
-    yield "wire" if request.param == "wire" else "rdma"
+        restart_agent(node, LARGE if path == "wire" else LARGE_UCX)
+    yield path
     for node in ("node_a", "node_b"):
         restart_agent(node, TEST_CONFIG)
 
@@ -80,9 +81,16 @@ class RegisteredPeak:
         self._thread.join(10)
 
 
-@pytest.mark.parametrize("size", [3 * GiB // 2, pytest.param(3 * GiB, id="3GiB")])
+@pytest.mark.parametrize(
+    ("path", "size"),
+    [
+        pytest.param("wire", 3 * GiB // 2, id="wire-1.5GiB"),
+        pytest.param("wire", 3 * GiB, id="wire-3GiB"),
+        pytest.param("rdma", 3 * GiB // 2, id="ucx-1.5GiB"),
+    ],
+)
 def test_a_payload_above_the_specs_budget_crosses_in_one_transfer(
-    large_agents: str, size: int
+    large_agents: str, path: str, size: int
 ) -> None:
     payload = pattern(size)
     crc = zlib.crc32(payload.data)

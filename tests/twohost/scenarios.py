@@ -174,11 +174,15 @@ def pipeline(info: TestbedInfo) -> dict[str, Any]:
 
 def ucx_tcp(info: TestbedInfo) -> dict[str, Any]:
     """Both agents with the operator's opt-in (VELO_UCX_TCP=1): UCX over TCP moves the
-    bytes, one GET each, as before the wire carried them."""
-    nodes = alive_node_ids()
+    bytes, one GET each, as before the wire carried them. Then host b's UCX is told to use
+    only `lo` (UCX_NET_DEVICES=lo): its GET to host a fails, and the fetch falls back to
+    chunks, once."""
+    nodes, node_b = alive_node_ids(), _node_of(info, 1)
     _restart(nodes, UCX_TCP)
     try:
-        return _transfer_all(info, [("array", 300 << 10), ("array", 24 * MiB)])
+        opted = _transfer_all(info, [("array", 300 << 10), ("array", 24 * MiB)])
+        _restart([node_b], {**UCX_TCP, "UCX_NET_DEVICES": "lo"})
+        return {"opt_in": opted, "lo_only": _transfer_all(info, [("array", 24 * MiB)])}
     finally:
         _restart(nodes, None)
 
@@ -190,18 +194,6 @@ def kill_switch(info: TestbedInfo) -> dict[str, Any]:
     _restart(nodes, {**KILL_SWITCH, **UCX_TCP})
     try:
         return _transfer_all(info, [("array", 40 * MiB), ("bytes", 1 * MiB)])
-    finally:
-        _restart(nodes, None)
-
-
-def unreachable(info: TestbedInfo) -> dict[str, Any]:
-    """Host b's UCX (allowed over TCP) is told to use only `lo` (UCX_NET_DEVICES=lo): its
-    GET to host a fails, and the fetch falls back to chunks, once."""
-    nodes, node_b = alive_node_ids(), _node_of(info, 1)
-    _restart(nodes, UCX_TCP)
-    _restart([node_b], {**UCX_TCP, "UCX_NET_DEVICES": "lo"})
-    try:
-        return _transfer_all(info, [("array", 24 * MiB)])
     finally:
         _restart(nodes, None)
 
@@ -475,7 +467,6 @@ SCENARIOS: dict[str, Callable[[TestbedInfo], dict[str, Any]]] = {
         pipeline,
         ucx_tcp,
         kill_switch,
-        unreachable,
         stalled_sender,
         broadcast,
         outsider,
